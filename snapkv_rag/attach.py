@@ -1,0 +1,147 @@
+"""Attaching compression to a transformers model.
+
+We register attention functions (``snapkv_sdpa``, ``snapkv_eager``, ``snapkv_flash_attention_2``)
+that call the model's own attention and then, during a prefill that an engine has opened with
+:func:`prefill_plan`, replace that layer's cache entry by its compressed K/V. The replacement
+happens right after each layer's attention, so at most one layer's full K/V is alive at a time,
+and the keys keep the RoPE rotation of their original positions.
+
+Outside a plan the wrapper adds nothing but one context-variable lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import compression
+
+BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+PREFIX = "snapkv_"
+
+
+@dataclass
+class PrefillPlan:
+    """What to do with each layer's K/V during one prefill.
+
+    ``config`` compresses ``cache`` in place (``None`` keeps the full cache). ``branches`` maps a
+    name to ``(config, cache)``: extra caches derived from the same prefill (evals compare methods
+    without prefilling again). ``record_decode_attention`` makes decode steps accumulate the
+    attention each KV head pays to the prompt positions (for the attention hit rate).
+    """
+
+    cache: object
+    config: object | None
+    attention_mask: torch.Tensor | None
+    num_layers: int
+    branches: dict[str, tuple[object, object]] = field(default_factory=dict)
+    record_decode_attention: bool = False
+    phase: str = "prefill"
+    kept_positions: dict[int, torch.Tensor] = field(default_factory=dict)
+    branch_kept: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    decode_attention: dict[int, torch.Tensor] = field(default_factory=dict)
+    prompt_length: int = 0
+    selection_s: float = 0.0
+
+    def after_attention(self, module, query: torch.Tensor, key: torch.Tensor) -> None:
+        layer_idx = module.layer_idx
+        if self.phase == "prefill":
+            self._compress(layer_idx, query, key)
+        elif self.record_decode_attention:
+            self._record(layer_idx, query, key)
+
+    def _compress(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        layer = self.cache.layers[layer_idx]
+        if key.shape[-2] != query.shape[-2] or not hasattr(layer, "keys") or _is_sliding(layer):
+            return  # not a fresh full-attention prefill: sliding layers are bounded already
+        start = time.perf_counter()
+        keys, values = layer.keys, layer.values
+        self.prompt_length = keys.shape[-2]
+        for name, (config, cache) in self.branches.items():
+            k, v, kept = compression.select(config, query, keys, values, self.attention_mask, layer_idx,
+                                            self.num_layers)
+            cache.update(k.contiguous(), v.contiguous(), layer_idx)
+            self.branch_kept.setdefault(name, {})[layer_idx] = kept
+        if self.config is not None:
+            k, v, kept = compression.select(self.config, query, keys, values, self.attention_mask, layer_idx,
+                                            self.num_layers)
+            layer.keys, layer.values = k.contiguous(), v.contiguous()
+            self.kept_positions[layer_idx] = kept
+        self.selection_s += time.perf_counter() - start
+
+    def _record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        probs = compression.attention_probs(query[..., -1:, :], key).sum(dim=-2).mean(dim=2)
+        probs = probs[..., : self.prompt_length]
+        total = self.decode_attention.get(layer_idx)
+        self.decode_attention[layer_idx] = probs if total is None else total + probs
+
+
+def _is_sliding(layer) -> bool:
+    return "Sliding" in type(layer).__name__ or getattr(layer, "is_sliding", False)
+
+
+_active: contextvars.ContextVar[PrefillPlan | None] = contextvars.ContextVar("snapkv_rag_plan", default=None)
+
+
+@contextlib.contextmanager
+def prefill_plan(plan: PrefillPlan) -> Iterator[PrefillPlan]:
+    """Make ``plan`` act on the attention calls of this thread (or asyncio task) while open."""
+    token = _active.set(plan)
+    try:
+        yield plan
+    finally:
+        _active.reset(token)
+
+
+def _base_function(base: str, module):
+    if base == "eager":
+        # each modeling file defines its own eager attention (softcapping, sinks, ...)
+        return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _make_wrapper(base: str):
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
+        plan = _active.get()
+        if plan is not None:
+            plan.after_attention(module, query, key)
+        return output
+
+    attention.__name__ = f"{PREFIX}{base}"
+    return attention
+
+
+def register() -> None:
+    """Register the wrapped attention functions and their mask builders (idempotent)."""
+    for base in BASE_IMPLEMENTATIONS:
+        name = PREFIX + base
+        if name in ALL_ATTENTION_FUNCTIONS:
+            continue
+        AttentionInterface.register(name, _make_wrapper(base))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+
+
+def wrapped_name(base: str) -> str:
+    if base not in BASE_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation: must be one of {BASE_IMPLEMENTATIONS}, got {base!r}")
+    return PREFIX + base
+
+
+def attach(model, base: str) -> None:
+    """Route ``model``'s attention through the SnapKV wrapper around ``base``."""
+    register()
+    name = wrapped_name(base)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # pragma: no cover - older 5.x
+        model.config._attn_implementation = name

@@ -1,0 +1,174 @@
+"""The selection algorithms as pure tensor functions: no model code, no state.
+
+Shapes used throughout: queries ``[B, H, q, D]`` (RoPE applied), keys and values
+``[B, H_kv, L, D]``, ``attention_mask`` ``[B, L]`` with 1 for real tokens and 0 for left padding.
+Every function returns ``(keys, values, kept_positions)`` with ``kept_positions`` ``[B, H_kv, C]``
+sorted ascending, so that the kept cache is dense and keeps the tokens in prompt order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .config import H2OConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
+
+NEG_INF = float("-inf")
+
+
+def _group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, H, q, D] -> [B, H_kv, H/H_kv, q, D]: the query heads that share each KV head."""
+    b, h, q, d = query.shape
+    if h % num_kv_heads:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({num_kv_heads})")
+    return query.view(b, num_kv_heads, h // num_kv_heads, q, d)
+
+
+def attention_probs(query: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """Causal softmax attention of the last ``q`` prompt queries over all ``L`` keys, in float32.
+
+    Returns ``[B, H_kv, H/H_kv, q, L]``. Query ``i`` sits at position ``L - q + i`` and sees keys up
+    to that position; padded keys get no weight and padded queries contribute zeros.
+    """
+    b, h_kv, length, d = key_states.shape
+    q_len = query.shape[-2]
+    grouped = _group_queries(query, h_kv).float()
+    logits = torch.matmul(grouped, key_states.float().unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)
+    q_pos = torch.arange(length - q_len, length, device=query.device)
+    k_pos = torch.arange(length, device=query.device)
+    allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, q, L]
+    if attention_mask is not None:
+        real = attention_mask.to(device=query.device, dtype=torch.bool)
+        allowed = allowed & real[:, None, :]  # [B, q, L]
+    logits = logits.masked_fill(~allowed[:, None, None], NEG_INF)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.nan_to_num(probs, nan=0.0)  # a padded query sees no real key: all -inf -> zeros
+
+
+def snapkv_votes(query_window: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Steps 1–3: attention of the observation window summed over its queries and averaged over
+    the query heads of each KV head. Returns ``[B, H_kv, L]`` (the caller keeps the prefix part)."""
+    probs = attention_probs(query_window, key_states, attention_mask)
+    return probs.sum(dim=-2).mean(dim=2)
+
+
+def pool_votes(votes: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """Step 4: 1-D pooling along the sequence (stride 1, same length) so kept tokens come in clusters."""
+    if kernel_size == 1:
+        return votes
+    b, h, n = votes.shape
+    flat = votes.reshape(b * h, 1, n)
+    pad = kernel_size // 2
+    if pooling == "max":
+        pooled = F.max_pool1d(flat, kernel_size, stride=1, padding=pad)
+    elif pooling == "avg":
+        pooled = F.avg_pool1d(flat, kernel_size, stride=1, padding=pad)
+    else:
+        raise ValueError(f"pooling: must be 'max' or 'avg', got {pooling!r}")
+    return pooled.reshape(b, h, n)
+
+
+def keep_top(prefix_scores: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int,
+             recent: int, attention_mask: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 5, shared by every method: the ``capacity - recent`` best-scored prefix positions plus
+    the last ``recent`` positions, gathered from K and V. Padded prefix positions are never chosen
+    while a real one is left. ``prefix_scores`` is ``[B, H_kv, L - recent]``."""
+    b, h_kv, length, d = key_states.shape
+    if length <= capacity:
+        kept = torch.arange(length, device=key_states.device).expand(b, h_kv, length)
+        return key_states, value_states, kept
+    scores = prefix_scores.float()
+    if attention_mask is not None:
+        real = attention_mask[:, : length - recent].to(device=scores.device, dtype=torch.bool)
+        scores = scores.masked_fill(~real[:, None, :], NEG_INF)
+    top = scores.topk(capacity - recent, dim=-1).indices
+    window = torch.arange(length - recent, length, device=key_states.device).expand(b, h_kv, recent)
+    kept = torch.cat([top, window], dim=-1).sort(dim=-1).values
+    index = kept.unsqueeze(-1).expand(b, h_kv, capacity, d)
+    return key_states.gather(2, index), value_states.gather(2, index), kept
+
+
+def snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                  config: SnapKVConfig, attention_mask: torch.Tensor | None = None, *, capacity: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SnapKV, steps 1–5 of the paper: returns ``(keys, values, kept_positions)``.
+
+    ``query_window`` is ``[B, H, w, D]``: the last ``w`` prompt queries. ``capacity`` overrides
+    ``config.max_capacity_prompt`` (per-layer budgets). When ``L <= capacity`` nothing is dropped.
+    """
+    capacity = config.max_capacity_prompt if capacity is None else capacity
+    length = key_states.shape[-2]
+    if length <= capacity:
+        return keep_top(key_states.new_zeros(()), key_states, value_states, capacity, 0)
+    window = min(config.window_size, query_window.shape[-2])
+    votes = snapkv_votes(query_window[..., -window:, :], key_states, attention_mask)[..., : length - window]
+    pooled = pool_votes(votes, config.kernel_size, config.pooling)
+    return keep_top(pooled, key_states, value_states, capacity, window, attention_mask)
+
+
+def streaming_select(key_states: torch.Tensor, value_states: torch.Tensor, config: StreamingLLMConfig,
+                     attention_mask: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """StreamingLLM: the first ``sink_tokens`` real positions and the most recent ones."""
+    b, h_kv, length, _ = key_states.shape
+    capacity = config.max_capacity_prompt
+    recent = capacity - config.sink_tokens
+    # earlier positions score higher, so the sinks are the first real tokens of each row
+    scores = -torch.arange(length - recent, device=key_states.device, dtype=torch.float32).expand(b, h_kv, -1)
+    return keep_top(scores, key_states, value_states, capacity, recent, attention_mask)
+
+
+def h2o_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, config: H2OConfig,
+               attention_mask: torch.Tensor | None = None, *, chunk: int = 512
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """H2O-style: attention accumulated over every prompt query (``query`` is ``[B, H, L, D]``),
+    computed in chunks of queries so that no ``L x L`` matrix is held at once."""
+    length = key_states.shape[-2]
+    if length <= config.max_capacity_prompt:
+        return keep_top(key_states.new_zeros(()), key_states, value_states, config.max_capacity_prompt, 0)
+    totals = None
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        # attention_probs places the queries at the end of the keys it is given
+        probs = attention_probs(query[..., start:stop, :], key_states[..., :stop, :],
+                                None if attention_mask is None else attention_mask[:, :stop])
+        part = F.pad(probs.sum(dim=-2).mean(dim=2), (0, length - stop))
+        totals = part if totals is None else totals + part
+    recent = config.recent_size
+    return keep_top(totals[..., : length - recent], key_states, value_states, config.max_capacity_prompt, recent,
+                    attention_mask)
+
+
+def random_select(key_states: torch.Tensor, value_states: torch.Tensor, config: RandomConfig,
+                  attention_mask: torch.Tensor | None = None, *, layer_idx: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uniformly random prefix positions (seeded per layer) plus the recent window."""
+    b, h_kv, length, _ = key_states.shape
+    generator = torch.Generator(device="cpu").manual_seed(config.seed * 1_000_003 + layer_idx)
+    scores = torch.rand((b, h_kv, max(length - config.recent_size, 0)), generator=generator)
+    return keep_top(scores.to(key_states.device), key_states, value_states, config.max_capacity_prompt,
+                    config.recent_size, attention_mask)
+
+
+def select(config, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+           attention_mask: torch.Tensor | None, layer_idx: int, num_layers: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dispatch one layer to its method. ``query`` holds all prompt queries ``[B, H, L, D]``; the
+    window methods only look at its end."""
+    if isinstance(config, SnapKVConfig):  # PyramidKVConfig included: only the budget differs
+        capacity = config.budget_for_layer(layer_idx, num_layers)
+        return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
+                             capacity=capacity)
+    if isinstance(config, StreamingLLMConfig):
+        return streaming_select(key_states, value_states, config, attention_mask)
+    if isinstance(config, H2OConfig):
+        return h2o_select(query, key_states, value_states, config, attention_mask)
+    if isinstance(config, RandomConfig):
+        return random_select(key_states, value_states, config, attention_mask, layer_idx=layer_idx)
+    raise TypeError(f"snapkv: expected a compression config (SnapKVConfig, StreamingLLMConfig, H2OConfig, "
+                    f"RandomConfig, PyramidKVConfig), got {type(config).__name__}")

@@ -1,0 +1,151 @@
+"""Compression settings: one small dataclass per method, validated on construction.
+
+Every method keeps, per (batch row, KV head), the same number of prompt positions, so the
+compressed cache is an ordinary dense tensor of shape [B, H_kv, C, D]. The methods differ only in
+how they score the prefix positions; the selection itself lives in :mod:`snapkv_rag.compression`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_POOLINGS = ("max", "avg")
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class SnapKVConfig:
+    """SnapKV (Li et al. 2024): keep the prefix positions that the last ``window_size`` prompt
+    queries attend to most, clustered by 1-D pooling, plus the whole observation window.
+
+    ``max_capacity_prompt`` is the number of prompt positions kept per layer and KV head
+    (window included). Prompts of at most that many tokens are not compressed.
+    """
+
+    max_capacity_prompt: int = 1024
+    window_size: int = 32
+    kernel_size: int = 7
+    pooling: str = "max"
+
+    method = "snapkv"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.window_size, int) and self.window_size > 0, "window_size",
+                 f"must be a positive integer, got {self.window_size!r}")
+        _require(isinstance(self.max_capacity_prompt, int) and self.max_capacity_prompt > self.window_size,
+                 "max_capacity_prompt",
+                 f"must be an integer larger than window_size={self.window_size}, got {self.max_capacity_prompt!r}")
+        _require(isinstance(self.kernel_size, int) and self.kernel_size > 0 and self.kernel_size % 2 == 1,
+                 "kernel_size", f"must be a positive odd integer, got {self.kernel_size!r}")
+        _require(self.pooling in _POOLINGS, "pooling", f"must be one of {_POOLINGS}, got {self.pooling!r}")
+
+    def budget_for_layer(self, layer_idx: int, num_layers: int) -> int:
+        return self.max_capacity_prompt
+
+
+@dataclass(frozen=True)
+class PyramidKVConfig(SnapKVConfig):
+    """PyramidKV: SnapKV votes with per-layer budgets that shrink linearly with depth.
+
+    Budgets go linearly from ``top`` (first layer) to ``bottom`` (last layer), with
+    ``bottom = window_size + (max_capacity_prompt - window_size) * min_ratio`` and
+    ``top = 2 * max_capacity_prompt - bottom``, so that the mean over layers stays
+    ``max_capacity_prompt``: the same total memory as SnapKV at that budget.
+    """
+
+    min_ratio: float = 0.2
+
+    method = "pyramidkv"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(0.0 < self.min_ratio <= 1.0, "min_ratio", f"must be in (0, 1], got {self.min_ratio!r}")
+
+    def budget_for_layer(self, layer_idx: int, num_layers: int) -> int:
+        bottom = self.window_size + (self.max_capacity_prompt - self.window_size) * self.min_ratio
+        top = 2 * self.max_capacity_prompt - bottom
+        if num_layers == 1:
+            return self.max_capacity_prompt
+        budget = top - (top - bottom) * layer_idx / (num_layers - 1)
+        return max(self.window_size + 1, int(round(budget)))
+
+
+@dataclass(frozen=True)
+class StreamingLLMConfig:
+    """StreamingLLM (Xiao et al. 2023): the first ``sink_tokens`` positions plus the most recent ones."""
+
+    max_capacity_prompt: int = 1024
+    sink_tokens: int = 4
+
+    method = "streamingllm"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0, "sink_tokens",
+                 f"must be a non-negative integer, got {self.sink_tokens!r}")
+        _require(isinstance(self.max_capacity_prompt, int) and self.max_capacity_prompt > self.sink_tokens,
+                 "max_capacity_prompt",
+                 f"must be an integer larger than sink_tokens={self.sink_tokens}, got {self.max_capacity_prompt!r}")
+
+    def budget_for_layer(self, layer_idx: int, num_layers: int) -> int:
+        return self.max_capacity_prompt
+
+
+@dataclass(frozen=True)
+class H2OConfig:
+    """H2O-style heavy hitters: attention accumulated over *all* prompt queries, plus a recent window."""
+
+    max_capacity_prompt: int = 1024
+    recent_size: int = 32
+
+    method = "h2o"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.recent_size, int) and self.recent_size > 0, "recent_size",
+                 f"must be a positive integer, got {self.recent_size!r}")
+        _require(isinstance(self.max_capacity_prompt, int) and self.max_capacity_prompt > self.recent_size,
+                 "max_capacity_prompt",
+                 f"must be an integer larger than recent_size={self.recent_size}, got {self.max_capacity_prompt!r}")
+
+    def budget_for_layer(self, layer_idx: int, num_layers: int) -> int:
+        return self.max_capacity_prompt
+
+
+@dataclass(frozen=True)
+class RandomConfig:
+    """Random prefix positions (seeded) plus a recent window: the floor any method must beat."""
+
+    max_capacity_prompt: int = 1024
+    recent_size: int = 32
+    seed: int = 0
+
+    method = "random"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.recent_size, int) and self.recent_size > 0, "recent_size",
+                 f"must be a positive integer, got {self.recent_size!r}")
+        _require(isinstance(self.max_capacity_prompt, int) and self.max_capacity_prompt > self.recent_size,
+                 "max_capacity_prompt",
+                 f"must be an integer larger than recent_size={self.recent_size}, got {self.max_capacity_prompt!r}")
+
+    def budget_for_layer(self, layer_idx: int, num_layers: int) -> int:
+        return self.max_capacity_prompt
+
+
+CompressionConfig = SnapKVConfig | StreamingLLMConfig | H2OConfig | RandomConfig
+"""Any of the method configs above; ``PyramidKVConfig`` is a ``SnapKVConfig``."""
+
+COMPRESSION_CONFIGS = (SnapKVConfig, StreamingLLMConfig, H2OConfig, RandomConfig)
+
+__all__ = [
+    "SnapKVConfig",
+    "PyramidKVConfig",
+    "StreamingLLMConfig",
+    "H2OConfig",
+    "RandomConfig",
+    "CompressionConfig",
+    "COMPRESSION_CONFIGS",
+]

@@ -1,0 +1,58 @@
+"""What a generation returns: plain dataclasses, easy to log or turn into JSON (``asdict``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .prompts import Document
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class CompressionStats:
+    """How much of the prompt's KV cache was kept. ``kept_tokens`` has one entry per layer."""
+
+    method: str
+    prompt_tokens: int
+    kept_tokens: list[int]
+    ratio: float
+    kv_bytes_full: int
+    kv_bytes_kept: int
+    selection_ms: float
+
+
+@dataclass
+class Timings:
+    prefill_s: float
+    decode_ms_per_token: float
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    citations: list[int]
+    usage: Usage
+    compression: CompressionStats
+    timings: Timings
+    finish_reason: str
+    documents: list[Document] = field(default_factory=list)
+
+    @property
+    def cited_documents(self) -> list[Document]:
+        """The documents the answer cites, in citation order."""
+        return [self.documents[n - 1] for n in self.citations]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.pop("documents")
+        data["cited_documents"] = [asdict(d) for d in self.cited_documents]
+        return data
