@@ -2,7 +2,7 @@
 
 We register attention functions (``snapkv_sdpa``, ``snapkv_eager``, ``snapkv_flash_attention_2``)
 that call the model's own attention and then, during a prefill that an engine has opened with
-:func:`prefill_plan`, replace that layer's cache entry by its compressed K/V. The replacement
+:class:`activate`, replace that layer's cache entry by its compressed K/V. The replacement
 happens right after each layer's attention, so at most one layer's full K/V is alive at a time,
 and the keys keep the RoPE rotation of their original positions.
 
@@ -11,13 +11,10 @@ Outside a plan the wrapper adds nothing but one context-variable lookup.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
-
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -48,6 +45,7 @@ class PrefillPlan:
     phase: str = "prefill"
     kept_positions: dict[int, torch.Tensor] = field(default_factory=dict)
     branch_kept: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    branch_selection_s: dict[str, float] = field(default_factory=dict)
     decode_attention: dict[int, torch.Tensor] = field(default_factory=dict)
     prompt_length: int = 0
     selection_s: float = 0.0
@@ -63,14 +61,16 @@ class PrefillPlan:
         layer = self.cache.layers[layer_idx]
         if key.shape[-2] != query.shape[-2] or not hasattr(layer, "keys") or _is_sliding(layer):
             return  # not a fresh full-attention prefill: sliding layers are bounded already
-        start = time.perf_counter()
         keys, values = layer.keys, layer.values
         self.prompt_length = keys.shape[-2]
         for name, (config, cache) in self.branches.items():
+            start = time.perf_counter()
             k, v, kept = compression.select(config, query, keys, values, self.attention_mask, layer_idx,
                                             self.num_layers)
             cache.update(k.contiguous(), v.contiguous(), layer_idx)
             self.branch_kept.setdefault(name, {})[layer_idx] = kept
+            self.branch_selection_s[name] = self.branch_selection_s.get(name, 0.0) + time.perf_counter() - start
+        start = time.perf_counter()
         if self.config is not None:
             k, v, kept = compression.select(self.config, query, keys, values, self.attention_mask, layer_idx,
                                             self.num_layers)
@@ -92,14 +92,20 @@ def _is_sliding(layer) -> bool:
 _active: contextvars.ContextVar[PrefillPlan | None] = contextvars.ContextVar("snapkv_rag_plan", default=None)
 
 
-@contextlib.contextmanager
-def prefill_plan(plan: PrefillPlan) -> Iterator[PrefillPlan]:
-    """Make ``plan`` act on the attention calls of this thread (or asyncio task) while open."""
-    token = _active.set(plan)
-    try:
-        yield plan
-    finally:
-        _active.reset(token)
+class activate:
+    """``with activate(plan):`` makes ``plan`` act on this thread's (or asyncio task's) attention
+    calls. Reusable: the decode loop enters it once per step when it records attention."""
+
+    def __init__(self, plan: PrefillPlan):
+        self.plan = plan
+        self._tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> PrefillPlan:
+        self._tokens.append(_active.set(self.plan))
+        return self.plan
+
+    def __exit__(self, *exc_info) -> None:
+        _active.reset(self._tokens.pop())
 
 
 def _base_function(base: str, module):

@@ -11,11 +11,12 @@ shared engine gives every caller the answer it would get alone.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -41,6 +42,45 @@ class GenerationOutOfMemoryError(RuntimeError):
 class _Request:
     input_ids: list[int]
     documents: list[Document]
+
+
+@dataclass
+class _Prefilled:
+    requests: list[_Request]
+    mask: torch.Tensor
+    real: torch.Tensor
+    padded: bool
+    cache: Any
+    plan: attach.PrefillPlan
+    logits: torch.Tensor
+    prefill_s: float
+
+
+@dataclass
+class Comparison:
+    """What :meth:`SnapKVLLM.compare` returns: one result per method, from one shared prefill."""
+
+    results: dict[str, GenerationResult]
+    hit_rate: dict[str, float]
+    prefill_s: float
+
+
+def attention_hit_rate(decode_attention: dict[int, torch.Tensor], kept_positions: dict[int, torch.Tensor]) -> float:
+    """Share of the prompt positions most attended by the full cache's decode steps that a method
+    kept, averaged over layers and KV heads (the top-k, k = the number the method kept there)."""
+    rates = []
+    for layer, kept in kept_positions.items():
+        attention = decode_attention.get(layer)
+        if attention is None:
+            continue
+        k = kept.shape[-1]
+        if k >= attention.shape[-1]:
+            rates.append(1.0)
+            continue
+        top = attention.topk(k, dim=-1).indices
+        hit = torch.zeros_like(attention, dtype=torch.bool).scatter(-1, kept, True).gather(-1, top)
+        rates.append(hit.float().mean().item())
+    return sum(rates) / len(rates) if rates else 1.0
 
 
 class _TextState:
@@ -295,10 +335,17 @@ class SnapKVLLM:
 
     @staticmethod
     def _drain(events) -> list[GenerationResult]:
-        for event in events:
-            if isinstance(event, list):
-                return event
-        raise RuntimeError("decode loop ended without results")  # pragma: no cover
+        """Run a decode generator to its results (the final list it yields, or the value it returns)."""
+        try:
+            while True:
+                try:
+                    event = next(events)
+                except StopIteration as stop:
+                    return stop.value
+                if isinstance(event, list):
+                    return event
+        finally:
+            events.close()  # releases the engine's lock held by the generator
 
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
@@ -318,95 +365,162 @@ class SnapKVLLM:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
-    def _decode(self, requests: list[_Request], *, max_new_tokens: int, temperature: float, top_p: float,
-                stop: list[str], seed: int | None, config, record_decode_attention: bool = False,
-                on_plan: Callable | None = None):
-        """Yields ``(row, piece)`` as text is decoded, then the list of results."""
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """One request at a time; a thread that still holds an open stream gets an error, not a deadlock."""
         if not self._lock.acquire(blocking=self._holder != threading.get_ident()):
             raise RuntimeError("this thread has an unfinished stream open on this engine: finish or close it "
                                "before starting another request")
         self._holder = threading.get_ident()
         try:
-            lengths = [len(r.input_ids) for r in requests]
-            batch, longest = len(requests), max(lengths)
-            padded = min(lengths) != longest
-            if padded and isinstance(config, PyramidKVConfig):
-                raise ValueError("snapkv: PyramidKVConfig gives layers different cache lengths; "
-                                 "batch only prompts of equal length with it, or run them one by one")
-            ids = torch.full((batch, longest), self._pad_id, dtype=torch.long)
-            mask = torch.zeros((batch, longest), dtype=torch.long)
-            for row, request in enumerate(requests):
-                ids[row, longest - lengths[row]:] = torch.tensor(request.input_ids)
-                mask[row, longest - lengths[row]:] = 1
-            ids, mask = ids.to(self.device), mask.to(self.device)
-            real = torch.tensor(lengths, device=self.device)
-            num_layers = self.model.config.num_hidden_layers
-            cache = DynamicCache(config=self.model.config)
-            plan = attach.PrefillPlan(cache=cache, config=config, attention_mask=mask if padded else None,
-                                      num_layers=num_layers, record_decode_attention=record_decode_attention)
-            generator = None
-            if temperature > 0:
-                generator = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**62))
-            states = [_TextState(self.tokenizer, stop) for _ in requests]
-            steps, decode_s = 0, 0.0
-            try:
-                with torch.inference_mode(), attach.prefill_plan(plan):
-                    start = time.perf_counter()
-                    logits = self._forward(ids, mask if padded else None, (mask.cumsum(-1) - 1).clamp(min=0), cache)
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    prefill_s = time.perf_counter() - start
-                    plan.phase = "decode"
-                    if on_plan is not None:
-                        on_plan(plan)
-                    kept = [layer.keys.shape[-2] for layer in cache.layers]
-                    valid = self._valid_slots(mask, real, kept[0]) if padded else None
-                    positions = real.clone()
-                    for step in range(max_new_tokens):
-                        tokens = self._sample(logits, temperature, top_p, generator)
-                        for row, state in enumerate(states):
-                            if state.finished:
-                                continue
-                            token = int(tokens[row])
-                            if token in self._eos_ids:
-                                state.finished = "stop"
-                                piece = state.flush()
-                            else:
-                                piece = state.push(token)
-                            if piece:
-                                yield row, piece
-                        if all(s.finished for s in states) or step == max_new_tokens - 1:
-                            break
-                        if valid is not None:
-                            valid = torch.cat([valid, valid.new_ones((batch, 1))], dim=-1)
-                        start = time.perf_counter()
-                        logits = self._forward(tokens[:, None], valid, positions[:, None], cache)
-                        if self.device.type == "cuda":
-                            torch.cuda.synchronize()
-                        decode_s += time.perf_counter() - start
-                        positions += 1
-                        steps += 1
-            except torch.OutOfMemoryError as error:
-                del cache, plan
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                budget = getattr(config, "max_capacity_prompt", None)
-                raise GenerationOutOfMemoryError(
-                    f"out of memory on {self.device} with a prompt of {longest} tokens (batch {batch}), "
-                    f"budget {budget if budget is not None else 'full cache'}: use a smaller budget, a shorter "
-                    f"prompt or a smaller batch") from error
-            for row, state in enumerate(states):
-                if not state.finished:
-                    state.finished = "length"
-                    piece = state.flush()
-                    if piece:
-                        yield row, piece
-            results = [self._result(requests[row], states[row], cache, plan, config, prefill_s, decode_s, steps)
-                       for row in range(batch)]
-            yield results
+            yield
         finally:
             self._holder = None
             self._lock.release()
+
+    def _out_of_memory(self, error: Exception, longest: int, batch: int, config) -> GenerationOutOfMemoryError:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        budget = getattr(config, "max_capacity_prompt", None)
+        return GenerationOutOfMemoryError(
+            f"out of memory on {self.device} with a prompt of {longest} tokens (batch {batch}), budget "
+            f"{budget if budget is not None else 'full cache'}: use a smaller budget, a shorter prompt or a smaller "
+            f"batch")
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _prefill(self, requests: list[_Request], config, branches: dict | None = None) -> _Prefilled:
+        """Run the prompt once; ``config`` compresses the cache in place, ``branches`` derive more caches."""
+        lengths = [len(r.input_ids) for r in requests]
+        batch, longest = len(requests), max(lengths)
+        padded = min(lengths) != longest
+        if padded and (isinstance(config, PyramidKVConfig)
+                       or any(isinstance(c, PyramidKVConfig) for c, _ in (branches or {}).values())):
+            raise ValueError("snapkv: PyramidKVConfig gives layers different cache lengths; batch only prompts of "
+                             "equal length with it, or run them one by one")
+        ids = torch.full((batch, longest), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((batch, longest), dtype=torch.long)
+        for row, request in enumerate(requests):
+            ids[row, longest - lengths[row]:] = torch.tensor(request.input_ids)
+            mask[row, longest - lengths[row]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = DynamicCache(config=self.model.config)
+        plan = attach.PrefillPlan(cache=cache, config=config, attention_mask=mask if padded else None,
+                                  num_layers=self.model.config.num_hidden_layers, branches=branches or {})
+        start = time.perf_counter()
+        try:
+            with attach.activate(plan):
+                logits = self._forward(ids, mask if padded else None, (mask.cumsum(-1) - 1).clamp(min=0), cache)
+            self._sync()
+        except torch.OutOfMemoryError as error:
+            del cache, plan
+            raise self._out_of_memory(error, longest, batch, config) from error
+        plan.phase = "decode"
+        return _Prefilled(requests=requests, mask=mask, real=torch.tensor(lengths, device=self.device),
+                          padded=padded, cache=cache, plan=plan, logits=logits,
+                          prefill_s=time.perf_counter() - start)
+
+    def _decode(self, requests: list[_Request], *, max_new_tokens: int, temperature: float, top_p: float,
+                stop: list[str], seed: int | None, config):
+        """Prefill, then decode; yields ``(row, piece)`` as text comes, then the list of results."""
+        with self._exclusive(), torch.inference_mode():
+            pre = self._prefill(requests, config)
+            results = yield from self._decode_from(pre, pre.cache, pre.plan.kept_positions, config,
+                                                   max_new_tokens=max_new_tokens, temperature=temperature,
+                                                   top_p=top_p, stop=stop, seed=seed)
+            yield results
+
+    def _decode_from(self, pre: _Prefilled, cache, kept_positions: dict, config, *, max_new_tokens: int,
+                     temperature: float, top_p: float, stop: list[str], seed: int | None):
+        """Decode from ``cache`` (the prefill's own or a branch), feeding each token at its original
+        position. Yields ``(row, piece)``; returns the results."""
+        batch = len(pre.requests)
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**62))
+        states = [_TextState(self.tokenizer, stop) for _ in pre.requests]
+        valid = self._valid_slots(pre.mask, pre.real, cache.layers[0].keys.shape[-2]) if pre.padded else None
+        positions = pre.real.clone()
+        logits, steps, decode_s = pre.logits, 0, 0.0
+        recording = attach.activate(pre.plan) if pre.plan.record_decode_attention else contextlib.nullcontext()
+        try:
+            for step in range(max_new_tokens):
+                tokens = self._sample(logits, temperature, top_p, generator)
+                for row, state in enumerate(states):
+                    if state.finished:
+                        continue
+                    token = int(tokens[row])
+                    if token in self._eos_ids:
+                        state.finished = "stop"
+                        piece = state.flush()
+                    else:
+                        piece = state.push(token)
+                    if piece:
+                        yield row, piece
+                if all(s.finished for s in states) or step == max_new_tokens - 1:
+                    break
+                if valid is not None:
+                    valid = torch.cat([valid, valid.new_ones((batch, 1))], dim=-1)
+                start = time.perf_counter()
+                with recording:
+                    logits = self._forward(tokens[:, None], valid, positions[:, None], cache)
+                self._sync()
+                decode_s += time.perf_counter() - start
+                positions += 1
+                steps += 1
+        except torch.OutOfMemoryError as error:
+            raise self._out_of_memory(error, int(pre.real.max()), batch, config) from error
+        for row, state in enumerate(states):
+            if not state.finished:
+                state.finished = "length"
+                piece = state.flush()
+                if piece:
+                    yield row, piece
+        timings = Timings(prefill_s=pre.prefill_s, decode_ms_per_token=1000 * decode_s / steps if steps else 0.0)
+        selection_ms = 1000 * pre.plan.selection_s
+        return [self._result(pre.requests[row], states[row], kept_positions, config, timings, selection_ms)
+                for row in range(batch)]
+
+    def compare(self, question: str, documents: Sequence[DocumentLike] | None = None, *,
+                methods: Mapping[str, Any], hit_rate: bool = True, **options) -> "Comparison":
+        """Run several compression methods on one prompt with ONE shared prefill.
+
+        ``methods`` maps a name to a config (``None``/``False`` for the full cache). Every compressed
+        cache is derived from the same prefill (the prefill's computation does not depend on what
+        the cache keeps), so only decoding is repeated. With ``hit_rate``, the full cache is decoded
+        first while recording the attention its decode steps pay to the prompt, and each method
+        gets the share of those most-attended positions that it kept.
+        """
+        if not methods:
+            raise ValueError("methods: give at least one method")
+        configs = {name: self._check_config(cfg) for name, cfg in methods.items()}
+        request = self._request([{"role": "user", "content": self._check_question(question)}], documents)
+        settings = self._options({k: v for k, v in options.items() if k != "snapkv"}, request)
+        settings.pop("config")
+        branches = {name: (cfg, DynamicCache(config=self.model.config))
+                    for name, cfg in configs.items() if cfg is not None}
+        results: dict[str, GenerationResult] = {}
+        rates: dict[str, float] = {}
+        with self._exclusive(), torch.inference_mode():
+            pre = self._prefill([request], None, branches)
+            full_names = [name for name, cfg in configs.items() if cfg is None]
+            record = hit_rate and bool(branches)
+            pre.plan.record_decode_attention = record
+            full = self._drain(self._decode_from(pre, pre.cache, {}, None, **settings))[0]
+            pre.plan.record_decode_attention = False
+            for name in full_names:
+                results[name] = full
+            for name, (cfg, cache) in branches.items():
+                kept = pre.plan.branch_kept.get(name, {})
+                results[name] = self._drain(self._decode_from(pre, cache, kept, cfg, **settings))[0]
+                results[name].compression.selection_ms = 1000 * pre.plan.branch_selection_s.get(name, 0.0)
+                if record:
+                    rates[name] = attention_hit_rate(pre.plan.decode_attention, kept)
+            del pre
+        return Comparison(results={name: results[name] for name in configs}, hit_rate=rates,
+                          prefill_s=full.timings.prefill_s)
 
     @staticmethod
     def _valid_slots(mask: torch.Tensor, real: torch.Tensor, slots: int) -> torch.Tensor:
@@ -417,26 +531,24 @@ class SnapKVLLM:
         first_real = slots - torch.clamp(real, max=slots)
         return (torch.arange(slots, device=mask.device)[None, :] >= first_real[:, None]).long()
 
-    def _result(self, request: _Request, state: _TextState, cache, plan, config, prefill_s: float,
-                decode_s: float, steps: int) -> GenerationResult:
+    def _result(self, request: _Request, state: _TextState, kept_positions: dict, config, timings: Timings,
+                selection_ms: float) -> GenerationResult:
         prompt_tokens = len(request.input_ids)
         layers = self.model.config.num_hidden_layers
-        kept = [min(prompt_tokens, plan.kept_positions[i].shape[-1]) if i in plan.kept_positions else prompt_tokens
+        kept = [min(prompt_tokens, kept_positions[i].shape[-1]) if i in kept_positions else prompt_tokens
                 for i in range(layers)]
         per_token = 2 * self._kv_heads() * self._head_dim() * self._itemsize()
         full_bytes = per_token * prompt_tokens * layers
         kept_bytes = per_token * sum(kept)
-        method = "full" if config is None else config.method
-        compression = CompressionStats(method=method, prompt_tokens=prompt_tokens, kept_tokens=kept,
+        compression = CompressionStats(method="full" if config is None else config.method,
+                                       prompt_tokens=prompt_tokens, kept_tokens=kept,
                                        ratio=kept_bytes / full_bytes if full_bytes else 1.0,
-                                       kv_bytes_full=full_bytes, kv_bytes_kept=kept_bytes,
-                                       selection_ms=plan.selection_s * 1000)
+                                       kv_bytes_full=full_bytes, kv_bytes_kept=kept_bytes, selection_ms=selection_ms)
         return GenerationResult(
             text=state.text, citations=parse_citations(state.text, len(request.documents)),
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(state.ids)),
-            compression=compression,
-            timings=Timings(prefill_s=prefill_s, decode_ms_per_token=1000 * decode_s / steps if steps else 0.0),
-            finish_reason=state.finished or "length", documents=request.documents)
+            compression=compression, timings=timings, finish_reason=state.finished or "length",
+            documents=request.documents)
 
     def _kv_heads(self) -> int:
         cfg = self.model.config
