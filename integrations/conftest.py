@@ -1,0 +1,28 @@
+"""Engines shared by the integration tests: a tiny random-weight Llama (fast unit tests) and the
+embedded SmolLM2-135M-Instruct (tests marked ``model``), each loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from snapkv_rag import SnapKVLLM
+from snapkv_rag.loading import default_model_dir
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+
+def build_tiny_engine(**options) -> SnapKVLLM:
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    return SnapKVLLM(model=LlamaForCausalLM(config), tokenizer=tokenizer, **options)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine() -> SnapKVLLM:
+    return build_tiny_engine(max_new_tokens=8)
+
+
+@pytest.fixture(scope="session")
+def real_engine() -> SnapKVLLM:
+    return SnapKVLLM(max_new_tokens=24)

@@ -1,0 +1,191 @@
+"""What ``ChatSnapKV`` and ``SnapKVLLM`` share: the engine they hold, per-call options,
+retrieved documents, and the metadata a result carries back.
+
+The engine (:class:`snapkv_rag.SnapKVLLM`) does all the work; this module only translates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+from langchain_core.documents import Document as LCDocument
+from langchain_core.messages.ai import UsageMetadata
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from snapkv_rag import Document, GenerationResult
+from snapkv_rag import SnapKVLLM as SnapKVEngine
+
+T = TypeVar("T")
+
+# Fields that configure loading a model; they conflict with an already loaded ``engine``.
+_LOADING_DEFAULTS: dict[str, Any] = {"model": None, "tokenizer": None, "device": None, "dtype": None,
+                                     "attn_implementation": "sdpa", "instruction": None,
+                                     "trust_remote_code": False}
+_CALL_OPTIONS = ("max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "snapkv")
+
+
+class EngineFields(BaseModel):
+    """The engine's own parameters, or an existing ``engine`` to share one loaded model."""
+
+    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
+
+    engine: Any = Field(default=None, exclude=True)
+    """An already loaded :class:`snapkv_rag.SnapKVLLM`; built from the fields below when omitted."""
+    model: Any = None
+    """A model folder, ``.gguf`` file, hub id or loaded transformers model; ``None``: the embedded
+    SmolLM2-135M-Instruct."""
+    tokenizer: Any = Field(default=None, exclude=True)
+    device: str | None = None
+    dtype: Any = None
+    attn_implementation: str = "sdpa"
+    instruction: str | None = None
+    """The citing instruction placed before the question (``None``: the engine's default)."""
+    trust_remote_code: bool = False
+    snapkv: Any = None
+    """A compression config (``SnapKVConfig(...)``), ``False`` for the full cache, or ``None`` to
+    keep the engine's default (SnapKV)."""
+    max_tokens: int | None = Field(default=None, alias="max_new_tokens")
+    """Tokens to generate (alias ``max_new_tokens``); ``None``: the engine's default."""
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    streaming: bool = False
+    """Stream tokens to the callbacks even on ``invoke``."""
+
+    @model_validator(mode="after")
+    def _attach_engine(self) -> EngineFields:
+        if self.engine is None:
+            loading = {name: getattr(self, name) for name in _LOADING_DEFAULTS}
+            if loading["instruction"] is None:
+                del loading["instruction"]
+            if self.snapkv is not None:
+                loading["snapkv"] = self.snapkv
+            self.engine = SnapKVEngine(**loading)
+        elif not isinstance(self.engine, SnapKVEngine):
+            raise TypeError(f"engine: expected a snapkv_rag.SnapKVLLM, got {type(self.engine).__name__}")
+        else:
+            clashing = [n for n, default in _LOADING_DEFAULTS.items() if getattr(self, n) != default]
+            if clashing:
+                raise ValueError(f"{', '.join(clashing)}: these configure loading a model; with engine= the "
+                                 "model is already loaded, so set them on snapkv_rag.SnapKVLLM(...) instead")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids from the model's own tokenizer."""
+        return list(self.engine.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def get_num_tokens(self, text: str) -> int:
+        return self.engine.count_tokens(text)
+
+    def _call_options(self, stop: list[str] | None, kwargs: Mapping[str, Any]) -> tuple[dict, list | None]:
+        """Engine options and documents for one call: per-call kwargs over the instance's fields."""
+        kwargs = dict(kwargs)
+        documents = to_engine_documents(kwargs.pop("documents", None))
+        if "model" in kwargs:
+            raise ValueError(f"model: {type(self).__name__} serves the model it loaded "
+                             f"({self.model_name}); a per-call model override is not supported")
+        unknown = sorted(set(kwargs) - set(_CALL_OPTIONS))
+        if unknown:
+            raise TypeError(f"unexpected option(s) {', '.join(unknown)}; supported: documents, stop, "
+                            f"{', '.join(_CALL_OPTIONS)}")
+        max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_tokens))
+        options = {"max_new_tokens": max_new, "stop": stop if stop is not None else self.stop,
+                   **{name: kwargs.get(name, getattr(self, name)) for name in ("temperature", "top_p", "seed")}}
+        options = {k: v for k, v in options.items() if v is not None}
+        if "snapkv" in kwargs:
+            options["snapkv"] = kwargs["snapkv"]
+        elif self.snapkv is not None:
+            options["snapkv"] = self.snapkv
+        return options, documents
+
+
+def to_engine_documents(items: Sequence[Any] | None) -> list | None:
+    """LangChain ``Document``s (``metadata["title"]`` becomes the title) and anything the engine
+    takes (str, dict with ``text``, ``snapkv_rag.Document``), in the order given."""
+    if items is None:
+        return None
+    if isinstance(items, (str, Mapping, LCDocument, Document)) or not isinstance(items, Sequence):
+        raise TypeError(f"documents: expected a list of documents, got a single {type(items).__name__}; "
+                        "wrap it in a list")
+    converted = []
+    for index, item in enumerate(items):
+        if isinstance(item, LCDocument):
+            title = item.metadata.get("title")
+            converted.append(Document(text=item.page_content, title=None if title is None else str(title),
+                                      id=item.id, metadata=dict(item.metadata)))
+        elif isinstance(item, (str, Mapping, Document)):
+            converted.append(item)  # the engine validates these
+        else:
+            raise TypeError(f"documents[{index}]: expected a LangChain Document, a str, a dict with 'text' or a "
+                            f"snapkv_rag.Document; got {type(item).__name__}")
+    return converted
+
+
+def usage_metadata(result: GenerationResult) -> UsageMetadata:
+    return UsageMetadata(input_tokens=result.usage.prompt_tokens, output_tokens=result.usage.completion_tokens,
+                         total_tokens=result.usage.total_tokens)
+
+
+def result_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]:
+    """Citations (1-based, in the order the documents were given), the cited documents, and the
+    compression and timing figures of one generation."""
+    numbered = [(number, result.documents[number - 1]) for number in result.citations]
+    return {
+        "model_name": model_name,
+        "finish_reason": result.finish_reason,
+        "citations": list(result.citations),
+        "cited_documents": [{"number": n, **asdict(doc), "metadata": dict(doc.metadata)} for n, doc in numbered],
+        "compression": asdict(result.compression),
+        "timings": asdict(result.timings),
+    }
+
+
+_DONE = object()
+
+
+async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """Run a blocking iterator in a worker thread and yield its items on the event loop.
+
+    The iterator is created, advanced and closed in that thread, so the loop never waits on
+    the model; a consumer that stops early closes it (releasing the engine) before this returns.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    stopped = threading.Event()
+
+    def produce() -> None:
+        outcome: Any = _DONE
+        try:
+            iterator = make_iterator()
+            try:
+                for item in iterator:
+                    loop.call_soon_threadsafe(queue.put_nowait, (item, None))
+                    if stopped.is_set():
+                        break
+            finally:
+                getattr(iterator, "close", lambda: None)()
+        except BaseException as error:  # re-raised on the event loop
+            outcome = error
+        loop.call_soon_threadsafe(queue.put_nowait, (_DONE, outcome))
+
+    worker = loop.run_in_executor(None, produce)
+    try:
+        while True:
+            item, outcome = await queue.get()
+            if item is not _DONE:
+                yield item
+            elif outcome is _DONE:
+                break
+            else:
+                raise outcome
+    finally:
+        stopped.set()
+        await worker

