@@ -12,6 +12,7 @@ shared engine gives every caller the answer it would get alone.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import threading
 import time
@@ -151,6 +152,9 @@ class SnapKVLLM:
                  snapkv: Any = SnapKVConfig(), max_new_tokens: int = 128, instruction: str = DEFAULT_INSTRUCTION,
                  trust_remote_code: bool = False):
         attach.wrapped_name(attn_implementation)  # validate before any loading
+        if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise ValueError("attn_implementation: 'flash_attention_2' needs the flash-attn package (CUDA only): "
+                             "pip install 'snapkv-rag[flash-attn]', or use 'sdpa'")
         self.default_snapkv = self._check_config(snapkv)
         self.max_new_tokens = self._check_max_new_tokens(max_new_tokens)
         self.instruction = instruction

@@ -1,0 +1,137 @@
+"""Engine plumbing on a tiny random-weight Llama: cache sizes, positions, batching, streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from snapkv_rag import SnapKVConfig, SnapKVLLM, StreamingLLMConfig
+from snapkv_rag.compression import snapkv_select
+
+from conftest import filler_documents
+
+BUDGET = SnapKVConfig(max_capacity_prompt=64, window_size=8)
+
+
+def capture_caches(model):
+    """Record the cache object of every forward call (a public torch hook, no engine internals)."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen.append([layer.keys.shape[-2] if getattr(layer, "keys", None) is not None else 0
+                     for layer in cache.layers] if cache is not None and cache.layers else [])
+
+    return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_compressed_cache_holds_budget_plus_generated(tiny_engine):
+    seen, handle = capture_caches(tiny_engine.model)
+    try:
+        result = tiny_engine.generate("What lies north?", filler_documents(6), snapkv=BUDGET, max_new_tokens=10)
+    finally:
+        handle.remove()
+    assert result.usage.prompt_tokens > 200
+    assert result.compression.kept_tokens == [64, 64]
+    # before decode step t the cache holds the budget plus the t tokens fed so far
+    decode_sizes = seen[1:]
+    assert decode_sizes == [[64 + t, 64 + t] for t in range(len(decode_sizes))]
+    assert result.compression.kv_bytes_kept * result.usage.prompt_tokens == pytest.approx(
+        result.compression.kv_bytes_full * 64)
+
+
+def test_decode_continues_at_original_positions(tiny_engine, tokenizer):
+    """Greedy decode from the compressed cache equals a hand-made reference: prefill in full,
+    select with the pure function, then feed tokens at positions L, L+1, ..."""
+    model = tiny_engine.model
+    question, docs = "What lies north?", filler_documents(5)
+    result = tiny_engine.generate(question, docs, snapkv=BUDGET, max_new_tokens=8)
+    ids = tiny_engine._request([{"role": "user", "content": question}], docs).input_ids
+    length = len(ids)
+    cache = DynamicCache(config=model.config)
+    queries = {}
+    hooks = [layer.self_attn.q_proj.register_forward_hook(
+        lambda m, a, out, i=i: queries.__setitem__(i, out)) for i, layer in enumerate(model.model.layers)]
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), cache=cache, use_cache=True)
+    for h in hooks:
+        h.remove()
+    # recompute the rotated window queries of each layer and compress that layer by hand
+    cos, sin = model.model.rotary_emb(out.logits, torch.arange(length)[None])
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    for i, layer in enumerate(cache.layers):
+        q = queries[i].view(1, length, 4, 16).transpose(1, 2)
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        k, v, _ = snapkv_select(q[..., -8:, :], layer.keys, layer.values, BUDGET)
+        layer.keys, layer.values = k, v
+    tokens, logits = [], out.logits[:, -1]
+    with torch.inference_mode():
+        for step in range(8):
+            token = int(logits.argmax(-1))
+            if token in tiny_engine._eos_ids:
+                break
+            tokens.append(token)
+            logits = model(torch.tensor([[token]]), cache=cache, position_ids=torch.tensor([[length + step]]),
+                           use_cache=True).logits[:, -1]
+    assert result.text == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_budget_above_prompt_equals_full_cache_and_model_generate(tiny_engine, tokenizer):
+    question, docs = "Which castle?", filler_documents(2)
+    big = tiny_engine.generate(question, docs, snapkv=SnapKVConfig(max_capacity_prompt=4096), max_new_tokens=10)
+    full = tiny_engine.generate(question, docs, snapkv=False, max_new_tokens=10)
+    assert big.text == full.text and big.compression.ratio == 1.0
+    ids = torch.tensor([tiny_engine._request([{"role": "user", "content": question}], docs).input_ids])
+    reference = tiny_engine.model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=2)
+    assert full.text == tokenizer.decode(reference[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_batch_of_unequal_prompts_equals_single_calls(tiny_engine):
+    questions = ["What lies north?", "Which harbour is it?", "Name the orchard."]
+    docs = [filler_documents(6), filler_documents(2), filler_documents(4)]
+    for config in (BUDGET, SnapKVConfig(max_capacity_prompt=400, window_size=8), False):
+        batch = tiny_engine.generate_batch(questions, docs, snapkv=config, max_new_tokens=8)
+        single = [tiny_engine.generate(q, d, snapkv=config, max_new_tokens=8) for q, d in zip(questions, docs)]
+        assert [r.text for r in batch] == [r.text for r in single]
+        assert [r.usage.prompt_tokens for r in batch] == [r.usage.prompt_tokens for r in single]
+
+
+def test_stream_concatenates_to_generate_and_stop_strings_cut(tiny_engine):
+    question, docs = "What lies north?", filler_documents(3)
+    text = tiny_engine.generate(question, docs, max_new_tokens=12).text
+    pieces = list(tiny_engine.stream(question, docs, max_new_tokens=12))
+    assert len(pieces) > 1 and "".join(pieces) == text
+    assert text, "the tiny model produced no text to cut"
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = tiny_engine.generate(question, docs, max_new_tokens=12, stop=[stop])
+    assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+    assert "".join(tiny_engine.stream(question, docs, max_new_tokens=12, stop=[stop])) == cut.text
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_engine):
+    a = tiny_engine.generate("Hello?", temperature=0.9, top_p=0.9, seed=7, max_new_tokens=8)
+    b = tiny_engine.generate("Hello?", temperature=0.9, top_p=0.9, seed=7, max_new_tokens=8)
+    assert a.text == b.text
+
+
+def test_compare_shares_one_prefill_and_matches_separate_runs(tiny_engine):
+    docs = filler_documents(6)
+    methods = {"full": None, "snapkv": BUDGET, "streaming": StreamingLLMConfig(max_capacity_prompt=64)}
+    both = tiny_engine.compare("What lies north?", docs, methods=methods, max_new_tokens=8)
+    for name, config in methods.items():
+        alone = tiny_engine.generate("What lies north?", docs, snapkv=config, max_new_tokens=8)
+        assert both.results[name].text == alone.text
+        assert both.results[name].compression.kept_tokens == alone.compression.kept_tokens
+    assert set(both.hit_rate) == {"snapkv", "streaming"}
+    assert all(0.0 <= rate <= 1.0 for rate in both.hit_rate.values())
+
+
+def test_eager_attention_gives_the_same_selection(tiny_model, tokenizer):
+    docs = filler_documents(5)
+    sdpa = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, attn_implementation="sdpa")
+    first = sdpa.generate("What lies north?", docs, snapkv=BUDGET, max_new_tokens=8)
+    eager = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, attn_implementation="eager")
+    second = eager.generate("What lies north?", docs, snapkv=BUDGET, max_new_tokens=8)
+    SnapKVLLM(model=tiny_model, tokenizer=tokenizer)  # restore sdpa for the other tests
+    assert first.text == second.text
