@@ -5,19 +5,21 @@ Every entry point (``generate``, ``stream``, ``generate_batch``, ``chat``) runs 
 feeds each new token at its original position. ``snapkv=False`` runs the very same loop with the
 full cache, so comparisons measure compression and nothing else.
 
-Requests are serialised by a lock: one model on one device runs one forward at a time, and a
-shared engine gives every caller the answer it would get alone.
+Forward passes are serialised by a lock: one model on one device runs one forward at a time.
+Each request owns its cache, so concurrent callers interleave token by token and each gets the
+answer it would get alone; an abandoned stream holds no lock.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import inspect
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -170,8 +172,7 @@ class SnapKVLLM:
         attach.attach(self.model, attn_implementation)
         self.attn_implementation = attn_implementation
         self.device = next(self.model.parameters()).device
-        self._lock = threading.Lock()  # not owner-bound: async adapters resume streams on other threads
-        self._holder: int | None = None
+        self._lock = threading.Lock()  # one forward pass at a time (see _forward)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._keep_last = "logits_to_keep" in params
@@ -221,6 +222,38 @@ class SnapKVLLM:
         request = self._request(messages, documents)
         settings = self._options(options, request)
         return self._stream([request], settings, with_result=True)
+
+    async def agenerate(self, question: str, documents: Sequence[DocumentLike] | None = None,
+                        **options) -> GenerationResult:
+        """:meth:`generate` in a worker thread: the event loop keeps running meanwhile."""
+        return await asyncio.to_thread(self.generate, question, documents, **options)
+
+    async def achat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
+                    **options) -> GenerationResult:
+        return await asyncio.to_thread(self.chat, messages, documents, **options)
+
+    async def astream(self, question: str, documents: Sequence[DocumentLike] | None = None,
+                      **options) -> AsyncIterator[str]:
+        """:meth:`stream` with each step in a worker thread; bad input raises before the first piece."""
+        async for piece in self._aiterate(self.stream(question, documents, **options)):
+            yield piece
+
+    async def astream_chat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
+                           **options) -> AsyncIterator[str]:
+        async for piece in self._aiterate(self.stream_chat(messages, documents, **options)):
+            yield piece
+
+    @staticmethod
+    async def _aiterate(iterator: Iterator):
+        done = object()
+        try:
+            while (item := await asyncio.to_thread(next, iterator, done)) is not done:
+                yield item
+        finally:
+            try:
+                iterator.close()
+            except ValueError:  # cancelled while a worker thread is inside next(): it ends on its own
+                pass
 
     def generate_batch(self, questions: Sequence[str], documents: Sequence[Sequence[DocumentLike] | None] | None = None,
                        *, batch_size: int = 8, **options) -> list[GenerationResult]:
@@ -351,12 +384,18 @@ class SnapKVLLM:
         finally:
             events.close()  # releases the engine's lock held by the generator
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, cache, plan=None) -> torch.Tensor:
+        """One model call under the engine's lock. Each request owns its cache, so concurrent
+        requests interleave forward passes without sharing state; a stream that is abandoned
+        between two tokens holds nothing."""
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   self._cache_kwarg: cache, "use_cache": True}
         if self._keep_last:
             kwargs["logits_to_keep"] = 1
-        return self.model(**kwargs).logits[:, -1, :]
+        with self._lock, torch.inference_mode(), (attach.activate(plan) if plan else contextlib.nullcontext()):
+            logits = self.model(**kwargs).logits[:, -1, :]
+            self._sync()
+        return logits
 
     def _sample(self, logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
         if temperature == 0:
@@ -368,19 +407,6 @@ class SnapKVLLM:
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
-
-    @contextlib.contextmanager
-    def _exclusive(self):
-        """One request at a time; a thread that still holds an open stream gets an error, not a deadlock."""
-        if not self._lock.acquire(blocking=self._holder != threading.get_ident()):
-            raise RuntimeError("this thread has an unfinished stream open on this engine: finish or close it "
-                               "before starting another request")
-        self._holder = threading.get_ident()
-        try:
-            yield
-        finally:
-            self._holder = None
-            self._lock.release()
 
     def _out_of_memory(self, error: Exception, longest: int, batch: int, config) -> GenerationOutOfMemoryError:
         if self.device.type == "cuda":
@@ -415,9 +441,7 @@ class SnapKVLLM:
                                   num_layers=self.model.config.num_hidden_layers, branches=branches or {})
         start = time.perf_counter()
         try:
-            with attach.activate(plan):
-                logits = self._forward(ids, mask if padded else None, (mask.cumsum(-1) - 1).clamp(min=0), cache)
-            self._sync()
+            logits = self._forward(ids, mask if padded else None, (mask.cumsum(-1) - 1).clamp(min=0), cache, plan)
         except torch.OutOfMemoryError as error:
             del cache, plan
             raise self._out_of_memory(error, longest, batch, config) from error
@@ -429,12 +453,11 @@ class SnapKVLLM:
     def _decode(self, requests: list[_Request], *, max_new_tokens: int, temperature: float, top_p: float,
                 stop: list[str], seed: int | None, config):
         """Prefill, then decode; yields ``(row, piece)`` as text comes, then the list of results."""
-        with self._exclusive(), torch.inference_mode():
-            pre = self._prefill(requests, config)
-            results = yield from self._decode_from(pre, pre.cache, pre.plan.kept_positions, config,
-                                                   max_new_tokens=max_new_tokens, temperature=temperature,
-                                                   top_p=top_p, stop=stop, seed=seed)
-            yield results
+        pre = self._prefill(requests, config)
+        results = yield from self._decode_from(pre, pre.cache, pre.plan.kept_positions, config,
+                                               max_new_tokens=max_new_tokens, temperature=temperature,
+                                               top_p=top_p, stop=stop, seed=seed)
+        yield results
 
     def _decode_from(self, pre: _Prefilled, cache, kept_positions: dict, config, *, max_new_tokens: int,
                      temperature: float, top_p: float, stop: list[str], seed: int | None):
@@ -448,7 +471,6 @@ class SnapKVLLM:
         valid = self._valid_slots(pre.mask, pre.real, cache.layers[0].keys.shape[-2]) if pre.padded else None
         positions = pre.real.clone()
         logits, steps, decode_s = pre.logits, 0, 0.0
-        recording = attach.activate(pre.plan) if pre.plan.record_decode_attention else contextlib.nullcontext()
         try:
             for step in range(max_new_tokens):
                 tokens = self._sample(logits, temperature, top_p, generator)
@@ -468,9 +490,8 @@ class SnapKVLLM:
                 if valid is not None:
                     valid = torch.cat([valid, valid.new_ones((batch, 1))], dim=-1)
                 start = time.perf_counter()
-                with recording:
-                    logits = self._forward(tokens[:, None], valid, positions[:, None], cache)
-                self._sync()
+                logits = self._forward(tokens[:, None], valid, positions[:, None], cache,
+                                       pre.plan if pre.plan.record_decode_attention else None)
                 decode_s += time.perf_counter() - start
                 positions += 1
                 steps += 1
@@ -507,22 +528,20 @@ class SnapKVLLM:
                     for name, cfg in configs.items() if cfg is not None}
         results: dict[str, GenerationResult] = {}
         rates: dict[str, float] = {}
-        with self._exclusive(), torch.inference_mode():
-            pre = self._prefill([request], None, branches)
-            full_names = [name for name, cfg in configs.items() if cfg is None]
-            record = hit_rate and bool(branches)
-            pre.plan.record_decode_attention = record
-            full = self._drain(self._decode_from(pre, pre.cache, {}, None, **settings))[0]
-            pre.plan.record_decode_attention = False
-            for name in full_names:
-                results[name] = full
-            for name, (cfg, cache) in branches.items():
-                kept = pre.plan.branch_kept.get(name, {})
-                results[name] = self._drain(self._decode_from(pre, cache, kept, cfg, **settings))[0]
-                results[name].compression.selection_ms = 1000 * pre.plan.branch_selection_s.get(name, 0.0)
-                if record:
-                    rates[name] = attention_hit_rate(pre.plan.decode_attention, kept)
-            del pre
+        pre = self._prefill([request], None, branches)
+        full_names = [name for name, cfg in configs.items() if cfg is None]
+        record = hit_rate and bool(branches)
+        pre.plan.record_decode_attention = record
+        full = self._drain(self._decode_from(pre, pre.cache, {}, None, **settings))[0]
+        pre.plan.record_decode_attention = False
+        for name in full_names:
+            results[name] = full
+        for name, (cfg, cache) in branches.items():
+            kept = pre.plan.branch_kept.get(name, {})
+            results[name] = self._drain(self._decode_from(pre, cache, kept, cfg, **settings))[0]
+            results[name].compression.selection_ms = 1000 * pre.plan.branch_selection_s.get(name, 0.0)
+            if record:
+                rates[name] = attention_hit_rate(pre.plan.decode_attention, kept)
         return Comparison(results={name: results[name] for name in configs}, hit_rate=rates,
                           prefill_s=full.timings.prefill_s)
 
