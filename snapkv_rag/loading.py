@@ -133,6 +133,12 @@ def default_model_dir() -> Path:
     return target
 
 
+def _offline() -> bool:
+    """Offline mode, read at call time (huggingface_hub reads it only once, at import)."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "SNAPKV_RAG_OFFLINE"))
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -171,7 +177,9 @@ def load(model: str | os.PathLike | None = None, *, device: str | None = None,
                 raise ModelLoadError(f"model: {path} is neither a model folder nor a .gguf file")
             source, gguf_file = path, None
         elif "/" in name and not name.startswith((".", "/", "~")) and name.count("/") == 1:
-            source, gguf_file = name, None  # a hub id: resolved from the local hub cache when offline
+            source, gguf_file = name, None  # a hub id
+            if _offline():
+                kwargs["local_files_only"] = True  # only the local hub cache: never the network
         else:
             raise ModelLoadError(f"model: {name!r} is not an existing folder, a .gguf file or a hub id (owner/name)")
     try:
