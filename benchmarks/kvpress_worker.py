@@ -1,0 +1,76 @@
+"""The kvpress half of ``peer_kvpress.py``: runs in its own virtual environment (kvpress pins
+transformers < 5.3), so it imports nothing from snapkv_rag.
+
+Reads JSON lines on stdin, one request each: ``{"input_ids": [...], "budget": int, "window_size":
+int, "kernel_size": int, "max_new_tokens": int, "eos_ids": [...]}``. For each, prefills the very
+same token ids under kvpress's ``SnapKVPress`` (its documented use: the press as a context manager
+around the model's forward), then decodes greedily from the compressed cache at the original
+positions, and writes one JSON line: the new token ids, the time for the whole answer, its prefill
+and decode parts, and how many positions the press kept. The first line it writes is ``{"ready":
+true}`` once the model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from importlib import metadata
+
+import torch
+from kvpress import SnapKVPress
+from transformers import AutoModelForCausalLM, DynamicCache
+
+
+def answer(model, request: dict) -> dict:
+    ids = torch.tensor([request["input_ids"]])
+    length = ids.shape[1]
+    # kvpress keeps int(length * (1 - ratio)) positions per head: choose the ratio that keeps `budget`
+    ratio = max(0.0, 1.0 - (request["budget"] + 0.5) / length)
+    press = SnapKVPress(compression_ratio=ratio, window_size=request["window_size"],
+                        kernel_size=request["kernel_size"])
+    eos = set(request["eos_ids"])
+    cache = DynamicCache()
+    with torch.inference_mode():
+        start = time.perf_counter()
+        with press(model):
+            logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
+        prefill_s = time.perf_counter() - start
+        kept = cache.layers[0].keys.shape[-2]
+        tokens: list[int] = []
+        decode_start = time.perf_counter()
+        steps = 0
+        for step in range(request["max_new_tokens"]):
+            token = int(logits[0, -1].argmax())
+            if token in eos:
+                break
+            tokens.append(token)
+            if step == request["max_new_tokens"] - 1:
+                break
+            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                           position_ids=torch.tensor([[length + step]]), logits_to_keep=1).logits
+            steps += 1
+        decode_s = time.perf_counter() - decode_start
+    return {"tokens": tokens, "answer_s": time.perf_counter() - start, "prefill_s": prefill_s,
+            "decode_ms_per_token": 1000 * decode_s / steps if steps else 0.0, "kept": kept,
+            "compression_ratio": ratio}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="model folder (the same one the snapkv_rag half loads)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    versions = {name: metadata.version(name) for name in ("kvpress", "transformers", "torch")}
+    print(json.dumps({"ready": True, **versions}), flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(answer(model, json.loads(line))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
