@@ -9,21 +9,9 @@ from transformers import DynamicCache
 from snapkv_rag import SnapKVConfig, SnapKVLLM, StreamingLLMConfig
 from snapkv_rag.compression import snapkv_select
 
-from conftest import filler_documents
+from snapkv_testing import capture_caches, filler_documents
 
 BUDGET = SnapKVConfig(max_capacity_prompt=64, window_size=8)
-
-
-def capture_caches(model):
-    """Record the cache object of every forward call (a public torch hook, no engine internals)."""
-    seen = []
-
-    def hook(module, args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        seen.append([layer.keys.shape[-2] if getattr(layer, "keys", None) is not None else 0
-                     for layer in cache.layers] if cache is not None and cache.layers else [])
-
-    return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def test_compressed_cache_holds_budget_plus_generated(tiny_engine):

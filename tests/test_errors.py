@@ -6,7 +6,7 @@ import pytest
 
 from snapkv_rag import ContextLengthError, ModelLoadError, PyramidKVConfig, SnapKVConfig, SnapKVLLM
 
-from conftest import filler_documents, tiny_llama
+from snapkv_testing import filler_documents, tiny_llama
 
 
 def still_works(engine):

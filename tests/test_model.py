@@ -11,8 +11,7 @@ import torch
 from snapkv_rag import SnapKVConfig
 from snapkv_rag.cli import DEMO_FILE
 
-from conftest import filler_documents
-from test_engine_tiny import capture_caches
+from snapkv_testing import capture_caches, filler_documents
 
 pytestmark = pytest.mark.model
 

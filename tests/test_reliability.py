@@ -11,7 +11,7 @@ import torch
 
 from snapkv_rag import GenerationOutOfMemoryError, SnapKVConfig
 
-from conftest import filler_documents
+from snapkv_testing import filler_documents
 
 BUDGET = SnapKVConfig(max_capacity_prompt=64, window_size=8)
 QUESTIONS = [f"Which {topic} lies north of number {i}?" for i, topic in
