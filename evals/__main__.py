@@ -1,0 +1,188 @@
+"""``python -m evals``: build the datasets, run every method on each prompt from one shared
+prefill, write rows.jsonl (resumable), summary.md / summary.csv and plots.
+
+Examples (from the repository root)::
+
+    python -m evals --smoke                       # ~1-2 min on 2 CPU cores; CI
+    python -m evals --full --out evals/results/full   # issue #4 item 7 grid (hours on CPU)
+    python -m evals --datasets nq --num-docs 10,20 --gold-positions first,last \\
+        --methods snapkv,streaming --budgets 25%,512 --num-questions 50
+    python -m evals --model Qwen/Qwen2.5-7B-Instruct --device cuda --dtype bfloat16 --full
+    python -m evals --report-only --out evals/results/full   # tables and plots from rows.jsonl
+    python -m evals --measure-sharing 3           # shared prefill vs separate generate() calls
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+PRESETS = {
+    "smoke": {"datasets": "nq,musique,kv", "num_docs": ["5"], "gold_positions": "last", "num_questions": 1,
+              "methods": "full,snapkv@128,pyramidkv@25%,streaming@25%,h2o@25%,random@25%",
+              "budgets": "", "max_new_tokens": 8},
+    "full": {"datasets": "nq,musique", "num_docs": ["nq=5,10,20,30", "musique=10,20"],
+             "gold_positions": "first,middle,last", "num_questions": 100, "methods": "full,snapkv,streaming",
+             "budgets": "25%,50%", "max_new_tokens": 32},
+}
+DEFAULTS = {"datasets": "nq", "num_docs": ["5,10,20"], "gold_positions": "first,middle,last", "num_questions": 20,
+            "methods": "full,snapkv,streaming", "budgets": "25%,50%", "max_new_tokens": 32}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m evals", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="RAG accuracy evals for snapkv-rag: answer F1, citation F1 and fidelity to the full cache "
+                    "as the number of documents and the gold position vary, for several KV-cache methods that "
+                    "share one prefill per prompt.",
+        epilog="Presets set defaults that explicit options override. --smoke: nq, musique and kv, 1 question each, "
+               "N=5, gold last, snapkv@128 and every other method at 25%% of the prompt, 8 new tokens "
+               "(3 prompts; about 1 minute on 2 idle CPU cores). --full: issue #4's grid: NQ 100 questions x N 5,10,20,30 x "
+               "gold first/middle/last and MuSiQue 100 x N 10,20, full + snapkv and streaming at 25%% and 50%%, "
+               "32 new tokens: 1,400 prompts, about 4 hours on 2 CPU cores with the embedded model, minutes on "
+               "a GPU.")
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--smoke", action="store_true", help="tiny end-to-end run of every dataset kind and method "
+                        "(CI; under 3 minutes on 2 CPU cores)")
+    preset.add_argument("--full", action="store_true", help="the full grid of issue #4 item 7 (see below)")
+    p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 "
+                   "on cpu)")
+    p.add_argument("--datasets", default=None, help="comma-separated: nq, musique, hotpotqa, kv (default: nq)")
+    p.add_argument("--num-docs", action="append", default=None, metavar="[DATASET=]N,N,...",
+                   help="documents per prompt (kv: key-value pairs, at most 75). Repeat with DATASET= to set one "
+                   "dataset's list, e.g. --num-docs 5,10 --num-docs musique=10,20 (default: 5,10,20)")
+    p.add_argument("--gold-positions", default=None, help="comma-separated: first, middle (N//2), last, every "
+                   "(each slot); nq and kv only, musique/hotpotqa shuffle their gold documents with the seed "
+                   "(default: first,middle,last)")
+    p.add_argument("--methods", default=None, help="comma-separated: full, or KIND or KIND@BUDGET with KIND in "
+                   "snapkv, pyramidkv, streaming, h2o, random; a bare KIND gets every --budgets value; full is always "
+                   "run (fidelity reference) (default: full,snapkv,streaming)")
+    p.add_argument("--budgets", default=None, help="comma-separated budgets for bare KINDs: tokens kept per layer "
+                   "(512) or a share of the cell's mean prompt (25%%), window included (default: 25%%,50%%)")
+    p.add_argument("--num-questions", type=int, default=None, help="questions per dataset, a seeded sample, the "
+                   "same in every cell (default: 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed for question sampling and document shuffles (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per answer (default: 32)")
+    p.add_argument("--stop", default="\\n", help="stop string, backslash escapes allowed; '' for none (default: "
+                   "a newline: answers are one line)")
+    p.add_argument("--instruction", default=None, help="the RAG instruction placed before the question (default: "
+                   "snapkv_rag.prompts.DEFAULT_INSTRUCTION)")
+    p.add_argument("--out", type=Path, default=None, help="output folder for rows.jsonl, summary.md/.csv, plots/ "
+                   "and command.txt (default: runs/evals/<preset or custom>)")
+    p.add_argument("--no-resume", dest="resume", action="store_false", help="start over instead of continuing "
+                   "the rows already in --out (resuming is the default)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--report-only", action="store_true", help="only (re)write the tables and plots from "
+                   "--out/rows.jsonl")
+    p.add_argument("--measure-sharing", type=int, default=0, metavar="K", help="instead of the evals, time "
+                   "compare() over the --methods vs one generate() per method on K NQ prompts and print the ratio")
+    return p
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def num_docs_by_dataset(values: list[str], datasets: list[str]) -> dict[str, list[int]]:
+    base: list[int] | None = None
+    per: dict[str, list[int]] = {}
+    for value in values:
+        name, sep, rest = value.partition("=")
+        try:
+            numbers = [int(x) for x in _csv(rest if sep else value)]
+        except ValueError:
+            raise SystemExit(f"--num-docs {value!r}: expected integers like 5,10,20 or DATASET=5,10") from None
+        if not numbers:
+            raise SystemExit(f"--num-docs {value!r}: no numbers given")
+        if sep:
+            per[name.strip()] = numbers
+        else:
+            base = numbers
+    out = {}
+    for d in datasets:
+        if d not in per and base is None:
+            raise SystemExit(f"--num-docs: no N given for {d}")
+        out[d] = per.get(d, base)
+    return out
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    preset = PRESETS["smoke"] if args.smoke else PRESETS["full"] if args.full else DEFAULTS
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = Path("runs") / "evals" / ("smoke" if args.smoke else "full" if args.full else "custom")
+    if args.num_questions < 1:
+        raise SystemExit("--num-questions: must be >= 1")
+    if args.max_new_tokens < 1:
+        raise SystemExit("--max-new-tokens: must be >= 1")
+    args.stop = args.stop.encode().decode("unicode_escape")
+    return args
+
+
+def main(argv: list[str] | None = None, engine=None) -> int:
+    """Entry point; ``engine`` (a SnapKVLLM) replaces loading ``--model`` (tests pass a tiny model)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = resolve(parser().parse_args(argv))
+    from . import report
+    if args.report_only:
+        report.write_all(args.out)
+        print(f"wrote {args.out}/summary.md, summary.csv and plots/")
+        return 0
+
+    from . import datasets, methods, runner
+    from snapkv_rag import SnapKVLLM
+    from snapkv_rag.prompts import DEFAULT_INSTRUCTION
+
+    names = _csv(args.datasets)
+    bad = [d for d in names if d not in datasets.DATASETS]
+    if bad or not names:
+        raise SystemExit(f"--datasets: unknown {bad or names}; choose from {', '.join(datasets.DATASETS)}")
+    positions = _csv(args.gold_positions)
+    bad = [x for x in positions if x not in datasets.POSITIONS]
+    if bad or not positions:
+        raise SystemExit(f"--gold-positions: unknown {bad or positions}; choose from {', '.join(datasets.POSITIONS)}")
+    try:
+        specs = methods.expand(_csv(args.methods), _csv(args.budgets))
+    except ValueError as error:
+        raise SystemExit(f"--methods/--budgets: {error}") from None
+    instruction = args.instruction if args.instruction is not None else DEFAULT_INSTRUCTION
+    llm = engine or SnapKVLLM(args.model, device=args.device, dtype=args.dtype, instruction=instruction)
+    llm.instruction = instruction
+    if args.measure_sharing:
+        from .sharing import measure
+        measure(llm, specs, args.measure_sharing, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                stop=[args.stop] if args.stop else [])
+        return 0
+    docs = num_docs_by_dataset(args.num_docs, names)
+    try:
+        examples = [e for d in names
+                    for e in datasets.build(d, args.num_questions, docs[d], positions, args.seed)]
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(str(error)) from None
+    settings = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "instruction": instruction,
+                "max_new_tokens": args.max_new_tokens, "stop": args.stop, "seed": args.seed, "dtype": args.dtype,
+                "device": str(llm.device), "methods": [s.name for s in specs]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "command.txt").write_text("python -m evals " + shlex.join(argv) + "\n")
+    start = time.perf_counter()
+    try:
+        runner.run(llm, examples, specs, args.out, settings=settings, max_new_tokens=args.max_new_tokens,
+                   stop=[args.stop] if args.stop else [], resume=args.resume, progress=args.progress)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    report.write_all(args.out)
+    print(f"{len(examples)} prompts x {len(specs)} methods in {time.perf_counter() - start:.0f} s; "
+          f"wrote {args.out}/rows.jsonl, summary.md, summary.csv, plots/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""matplotlib figures for a run: answer and citation F1 against N, accuracy against gold position,
+and fidelity (attention hit rate) against N. One line per method, 95% intervals as error bars."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: runs headless in CI and over ssh
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .report import _position_key, method_order  # noqa: E402
+
+
+def _errorbar(ax, xs, records: Sequence[dict], metric: str, label: str, offset: float) -> None:
+    ys = [r.get(metric, float("nan")) for r in records]
+    lo = [y - r.get(metric + "_lo", y) for y, r in zip(ys, records)]
+    hi = [r.get(metric + "_hi", y) - y for y, r in zip(ys, records)]
+    ax.errorbar([x + offset for x in xs], ys, yerr=[lo, hi], marker="o", capsize=3, label=label)
+
+
+def against_n(by_n: Sequence[dict], methods: Sequence[str], metric: str, ylabel: str, path: Path) -> None:
+    datasets = sorted({r["dataset"] for r in by_n})
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        for i, method in enumerate(methods):
+            records = sorted((r for r in by_n if r["dataset"] == dataset and r["method"] == method),
+                             key=lambda r: r["num_docs"])
+            if records:
+                _errorbar(ax, [r["num_docs"] for r in records], records, metric, method, 0.15 * (i - len(methods) / 2))
+        ax.set_title(dataset)
+        ax.set_xlabel("documents in the prompt (N)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def against_position(cells: Sequence[dict], methods: Sequence[str], metric: str, ylabel: str, path: Path) -> bool:
+    panels = sorted({(r["dataset"], r["num_docs"]) for r in cells if r["gold_position"] != "shuffled"})
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8), squeeze=False, sharey=True)
+    for ax, (dataset, n) in zip(axes[0], panels):
+        positions = sorted({r["gold_position"] for r in cells if r["dataset"] == dataset and r["num_docs"] == n},
+                           key=_position_key)
+        for i, method in enumerate(methods):
+            records = {r["gold_position"]: r for r in cells
+                       if r["dataset"] == dataset and r["num_docs"] == n and r["method"] == method}
+            present = [p for p in positions if p in records]
+            if present:
+                _errorbar(ax, [positions.index(p) for p in present], [records[p] for p in present], metric, method,
+                          0.05 * (i - len(methods) / 2))
+        ax.set_xticks(range(len(positions)), positions, rotation=45 if len(positions) > 3 else 0)
+        ax.set_title(f"{dataset}, N={n}")
+        ax.set_xlabel("gold document position")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_all(rows: Sequence[dict], by_n: Sequence[dict], cells: Sequence[dict], folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    methods = method_order(rows)
+    written = []
+    for metric, ylabel, name in (("f1", "answer token F1", "answer_f1_vs_n.png"),
+                                 ("cit_f1", "citation F1", "citation_f1_vs_n.png"),
+                                 ("hit_rate", "attention hit rate vs full cache", "hit_rate_vs_n.png"),
+                                 ("f1_vs_full", "answer F1 vs full-cache answer", "fidelity_f1_vs_n.png")):
+        against_n(by_n, methods, metric, ylabel, folder / name)
+        written.append(folder / name)
+    if against_position(cells, methods, "subspan_em", "accuracy (best-subspan EM)", folder / "accuracy_vs_position.png"):
+        written.append(folder / "accuracy_vs_position.png")
+    return written

@@ -1,0 +1,155 @@
+"""Tables and plots from ``rows.jsonl``: summary.md, summary.csv and plots/*.png.
+
+Every mean comes with a 95% percentile-bootstrap interval over the rows of its group (1,000
+resamples, fixed seed, so the same rows always give the same table). Rows of one question in
+different cells are not independent, so compare cells by their intervals with that in mind.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+METRICS = {  # column -> (label, bootstrap CI?)
+    "f1": ("answer F1", True), "subspan_em": ("subspan EM", True), "em": ("EM", True),
+    "cit_precision": ("cit P", True), "cit_recall": ("cit R", True), "cit_f1": ("cit F1", True),
+    "identical_to_full": ("same as full", True), "f1_vs_full": ("F1 vs full", True), "hit_rate": ("hit rate", True),
+    "kept_tokens": ("kept tok", False), "kv_bytes_kept": ("KV MB", False), "prefill_s": ("prefill s", False),
+    "decode_ms_per_token": ("ms/tok", False), "prompt_tokens": ("prompt tok", False),
+}
+TABLE_COLUMNS = ("f1", "subspan_em", "cit_f1", "identical_to_full", "f1_vs_full", "hit_rate", "kept_tokens",
+                 "kv_bytes_kept", "prefill_s", "decode_ms_per_token")
+_POSITION_ORDER = {"first": 0, "middle": 1, "last": 2, "shuffled": 3}
+
+
+def read_rows(path: Path) -> list[dict]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn last line of a run still going or killed
+    return rows
+
+
+def bootstrap_ci(values: Sequence[float], resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
+    data = np.asarray(values, dtype=float)
+    if len(data) < 2:
+        return float(data.mean()), float(data.mean())
+    rng = np.random.default_rng(seed)
+    means = data[rng.integers(0, len(data), size=(resamples, len(data)))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def method_order(rows: Iterable[dict]) -> list[str]:
+    seen: list[str] = []
+    for r in rows:
+        if r["method"] not in seen:
+            seen.append(r["method"])
+    return seen
+
+
+def _position_key(position: str) -> tuple:
+    return (_POSITION_ORDER.get(position, 4), position)
+
+
+def aggregate(rows: Sequence[dict], keys: Sequence[str]) -> list[dict]:
+    """One record per group of ``keys``: n, mean and CI of every metric, the budget."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[tuple(r[k] for k in keys)].append(r)
+    methods = method_order(rows)
+    out = []
+    for key, members in groups.items():
+        record = dict(zip(keys, key))
+        record["n"] = len(members)
+        budgets = sorted({m["budget"] for m in members if m.get("budget") is not None})
+        record["budget"] = "/".join(map(str, budgets)) if budgets else "-"
+        for column, (_, with_ci) in METRICS.items():
+            values = [m[column] for m in members if m.get(column) is not None]
+            if not values:
+                continue
+            record[column] = float(np.mean(values))
+            if with_ci:
+                record[column + "_lo"], record[column + "_hi"] = bootstrap_ci(values)
+        out.append(record)
+
+    def sort_key(rec):
+        return tuple(methods.index(rec[k]) if k == "method" else _position_key(rec[k]) if k == "gold_position"
+                     else rec[k] for k in keys)
+    return sorted(out, key=sort_key)
+
+
+def _fmt(record: dict, column: str) -> str:
+    if column not in record:
+        return "-"
+    value = record[column]
+    if column == "kv_bytes_kept":
+        return f"{value / 2**20:.1f}"
+    if column in ("kept_tokens", "prompt_tokens"):
+        return f"{value:.0f}"
+    if column == "prefill_s":
+        return f"{value:.2f}"
+    if column == "decode_ms_per_token":
+        return f"{value:.0f}"
+    if column + "_lo" in record:
+        return f"{value:.3f} [{record[column + '_lo']:.2f}, {record[column + '_hi']:.2f}]"
+    return f"{value:.3f}"
+
+
+def markdown_table(records: Sequence[dict], keys: Sequence[str], columns: Sequence[str] = TABLE_COLUMNS) -> str:
+    head = [*keys, "n", "budget", *(METRICS[c][0] for c in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in records:
+        cells = [str(r[k]) for k in keys] + [str(r["n"]), str(r["budget"])] + [_fmt(r, c) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(records: Sequence[dict], path: Path) -> None:
+    fields: list[str] = []
+    for r in records:
+        fields += [k for k in r if k not in fields]
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def write_all(out: Path) -> None:
+    """summary.md, summary.csv and plots/ for the rows in ``out``."""
+    path = out / "rows.jsonl"
+    if not path.exists():
+        raise SystemExit(f"{path} does not exist: run the evals first")
+    rows = read_rows(path)
+    if not rows:
+        raise SystemExit(f"{path} has no rows yet")
+    cells = aggregate(rows, ("dataset", "num_docs", "gold_position", "method"))
+    by_n = aggregate(rows, ("dataset", "num_docs", "method"))
+    by_position = aggregate(rows, ("dataset", "gold_position", "method"))
+    overall = aggregate(rows, ("dataset", "method"))
+    write_csv(cells, out / "summary.csv")
+    questions = {(r["dataset"], r["question_id"]) for r in rows}
+    text = [
+        "# Summary", "",
+        f"{len(rows)} rows: {len({r['example_id'] for r in rows})} prompts from {len(questions)} questions, "
+        f"methods {', '.join(method_order(rows))}. Means with 95% bootstrap intervals. Answer metrics are "
+        "against the gold answers (citation markers removed); 'same as full', 'F1 vs full' and 'hit rate' "
+        "measure fidelity to the full cache's greedy answer and decode attention. KV MB is the kept prompt "
+        "cache per prompt; budget is tokens kept per layer.", "",
+        "## By dataset and method (all N and positions)", "", markdown_table(overall, ("dataset", "method")), "",
+        "## By dataset, N and method (all gold positions)", "", markdown_table(by_n, ("dataset", "num_docs", "method")),
+        "", "## By dataset, gold position and method (all N)", "",
+        markdown_table(by_position, ("dataset", "gold_position", "method")), "",
+        "## Every cell: dataset x N x gold position x method", "",
+        markdown_table(cells, ("dataset", "num_docs", "gold_position", "method")), "",
+    ]
+    (out / "summary.md").write_text("\n".join(text))
+    from .plots import plot_all
+    plot_all(rows, by_n, cells, out / "plots")
