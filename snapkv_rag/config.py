@@ -95,13 +95,11 @@ class StreamingLLMConfig:
 
 
 @dataclass(frozen=True)
-class H2OConfig:
-    """H2O-style heavy hitters: attention accumulated over *all* prompt queries, plus a recent window."""
+class _RecentWindowConfig:
+    """Shared by the methods that keep the last ``recent_size`` positions plus scored prefix ones."""
 
     max_capacity_prompt: int = 1024
     recent_size: int = 32
-
-    method = "h2o"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.recent_size, int) and self.recent_size > 0, "recent_size",
@@ -115,24 +113,19 @@ class H2OConfig:
 
 
 @dataclass(frozen=True)
-class RandomConfig:
+class H2OConfig(_RecentWindowConfig):
+    """H2O-style heavy hitters: attention accumulated over *all* prompt queries, plus a recent window."""
+
+    method = "h2o"
+
+
+@dataclass(frozen=True)
+class RandomConfig(_RecentWindowConfig):
     """Random prefix positions (seeded) plus a recent window: the floor any method must beat."""
 
-    max_capacity_prompt: int = 1024
-    recent_size: int = 32
     seed: int = 0
 
     method = "random"
-
-    def __post_init__(self) -> None:
-        _require(isinstance(self.recent_size, int) and self.recent_size > 0, "recent_size",
-                 f"must be a positive integer, got {self.recent_size!r}")
-        _require(isinstance(self.max_capacity_prompt, int) and self.max_capacity_prompt > self.recent_size,
-                 "max_capacity_prompt",
-                 f"must be an integer larger than recent_size={self.recent_size}, got {self.max_capacity_prompt!r}")
-
-    def budget_for_layer(self, layer_idx: int, num_layers: int) -> int:
-        return self.max_capacity_prompt
 
 
 CompressionConfig = SnapKVConfig | StreamingLLMConfig | H2OConfig | RandomConfig

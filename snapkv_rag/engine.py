@@ -234,26 +234,13 @@ class SnapKVLLM:
 
     async def astream(self, question: str, documents: Sequence[DocumentLike] | None = None,
                       **options) -> AsyncIterator[str]:
-        """:meth:`stream` with each step in a worker thread; bad input raises before the first piece."""
-        async for piece in self._aiterate(self.stream(question, documents, **options)):
-            yield piece
+        """:meth:`stream` run in a worker thread; bad input raises before the first piece."""
+        self._check_question(question)
+        self._request([{"role": "user", "content": question}], documents)  # validate on the caller's side
+        from .adapters import iterate_in_thread
 
-    async def astream_chat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
-                           **options) -> AsyncIterator[str]:
-        async for piece in self._aiterate(self.stream_chat(messages, documents, **options)):
+        async for piece in iterate_in_thread(lambda: self.stream(question, documents, **options)):
             yield piece
-
-    @staticmethod
-    async def _aiterate(iterator: Iterator):
-        done = object()
-        try:
-            while (item := await asyncio.to_thread(next, iterator, done)) is not done:
-                yield item
-        finally:
-            try:
-                iterator.close()
-            except ValueError:  # cancelled while a worker thread is inside next(): it ends on its own
-                pass
 
     def generate_batch(self, questions: Sequence[str], documents: Sequence[Sequence[DocumentLike] | None] | None = None,
                        *, batch_size: int = 8, **options) -> list[GenerationResult]:
@@ -443,7 +430,7 @@ class SnapKVLLM:
         try:
             logits = self._forward(ids, mask if padded else None, (mask.cumsum(-1) - 1).clamp(min=0), cache, plan)
         except torch.OutOfMemoryError as error:
-            del cache, plan
+            cache = plan = None  # free the partial cache before the error travels up with this frame
             raise self._out_of_memory(error, longest, batch, config) from error
         plan.phase = "decode"
         return _Prefilled(requests=requests, mask=mask, real=torch.tensor(lengths, device=self.device),

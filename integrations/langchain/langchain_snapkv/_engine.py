@@ -6,24 +6,17 @@ The engine (:class:`snapkv_rag.SnapKVLLM`) does all the work; this module only t
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any
 
 from langchain_core.documents import Document as LCDocument
 from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from snapkv_rag import Document, GenerationResult
-from snapkv_rag import SnapKVLLM as SnapKVEngine
-
-T = TypeVar("T")
+from snapkv_rag.adapters import LOADING_DEFAULTS, engine_from
 
 # Fields that configure loading a model; they conflict with an already loaded ``engine``.
-_LOADING_DEFAULTS: dict[str, Any] = {"model": None, "tokenizer": None, "device": None, "dtype": None,
-                                     "attn_implementation": "sdpa", "instruction": None,
-                                     "trust_remote_code": False}
 _CALL_OPTIONS = ("max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "snapkv")
 
 
@@ -58,20 +51,7 @@ class EngineFields(BaseModel):
 
     @model_validator(mode="after")
     def _attach_engine(self) -> EngineFields:
-        if self.engine is None:
-            loading = {name: getattr(self, name) for name in _LOADING_DEFAULTS}
-            if loading["instruction"] is None:
-                del loading["instruction"]
-            if self.snapkv is not None:
-                loading["snapkv"] = self.snapkv
-            self.engine = SnapKVEngine(**loading)
-        elif not isinstance(self.engine, SnapKVEngine):
-            raise TypeError(f"engine: expected a snapkv_rag.SnapKVLLM, got {type(self.engine).__name__}")
-        else:
-            clashing = [n for n, default in _LOADING_DEFAULTS.items() if getattr(self, n) != default]
-            if clashing:
-                raise ValueError(f"{', '.join(clashing)}: these configure loading a model; with engine= the "
-                                 "model is already loaded, so set them on snapkv_rag.SnapKVLLM(...) instead")
+        self.engine = engine_from(self.engine, self.snapkv, **{name: getattr(self, name) for name in LOADING_DEFAULTS})
         return self
 
     @property
@@ -146,46 +126,3 @@ def result_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]
         "compression": asdict(result.compression),
         "timings": asdict(result.timings),
     }
-
-
-_DONE = object()
-
-
-async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Run a blocking iterator in a worker thread and yield its items on the event loop.
-
-    The iterator is created, advanced and closed in that thread, so the loop never waits on
-    the model; a consumer that stops early closes it (releasing the engine) before this returns.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    stopped = threading.Event()
-
-    def produce() -> None:
-        outcome: Any = _DONE
-        try:
-            iterator = make_iterator()
-            try:
-                for item in iterator:
-                    loop.call_soon_threadsafe(queue.put_nowait, (item, None))
-                    if stopped.is_set():
-                        break
-            finally:
-                getattr(iterator, "close", lambda: None)()
-        except BaseException as error:  # re-raised on the event loop
-            outcome = error
-        loop.call_soon_threadsafe(queue.put_nowait, (_DONE, outcome))
-
-    worker = loop.run_in_executor(None, produce)
-    try:
-        while True:
-            item, outcome = await queue.get()
-            if item is not _DONE:
-                yield item
-            elif outcome is _DONE:
-                break
-            else:
-                raise outcome
-    finally:
-        stopped.set()
-        await worker

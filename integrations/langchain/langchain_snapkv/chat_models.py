@@ -15,7 +15,9 @@ from langchain_core.messages.content import create_plaintext_block
 from snapkv_rag import Document, GenerationResult
 from snapkv_rag.prompts import to_document
 
-from ._engine import EngineFields, to_engine_documents, iterate_in_thread, result_metadata, usage_metadata
+from snapkv_rag.adapters import iterate_in_thread
+
+from ._engine import EngineFields, result_metadata, to_engine_documents, usage_metadata
 
 _ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant"}
 

@@ -12,7 +12,9 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from snapkv_rag import GenerationResult
 
-from ._engine import EngineFields, iterate_in_thread, result_metadata
+from snapkv_rag.adapters import iterate_in_thread
+
+from ._engine import EngineFields, result_metadata
 
 
 class SnapKVLLM(EngineFields, BaseLLM):

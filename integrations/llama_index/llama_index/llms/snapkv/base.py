@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -24,15 +23,11 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import Field, model_validator
 from snapkv_rag import GenerationResult
-from snapkv_rag import SnapKVLLM as SnapKVEngine
+from snapkv_rag.adapters import LOADING_DEFAULTS, engine_from, iterate_in_thread
 
 from .citations import split_sources
 
-T = TypeVar("T")
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
-_LOADING_DEFAULTS: dict[str, Any] = {"model": None, "tokenizer": None, "device": None, "dtype": None,
-                                     "attn_implementation": "sdpa", "instruction": None,
-                                     "trust_remote_code": False}
 _CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "snapkv", "stop")
 
 
@@ -72,20 +67,7 @@ class SnapKVLLM(CustomLLM):
 
     @model_validator(mode="after")
     def _attach_engine(self) -> SnapKVLLM:
-        if self.engine is None:
-            loading = {name: getattr(self, name) for name in _LOADING_DEFAULTS}
-            if loading["instruction"] is None:
-                del loading["instruction"]
-            if self.snapkv is not None:
-                loading["snapkv"] = self.snapkv
-            self.engine = SnapKVEngine(**loading)
-        elif not isinstance(self.engine, SnapKVEngine):
-            raise TypeError(f"engine: expected a snapkv_rag.SnapKVLLM, got {type(self.engine).__name__}")
-        else:
-            clashing = [n for n, default in _LOADING_DEFAULTS.items() if getattr(self, n) != default]
-            if clashing:
-                raise ValueError(f"{', '.join(clashing)}: these configure loading a model; with engine= the "
-                                 "model is already loaded, so set them on snapkv_rag.SnapKVLLM(...) instead")
+        self.engine = engine_from(self.engine, self.snapkv, **{name: getattr(self, name) for name in LOADING_DEFAULTS})
         return self
 
     @classmethod
@@ -233,40 +215,3 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
             raise ValueError(f"messages[{index}]: {type(blocks[0]).__name__} content is not supported (text only)")
         converted.append({"role": _ROLES[message.role], "content": message.content or ""})
     return converted
-
-
-_DONE = object()
-
-
-async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Run a blocking iterator in a worker thread and yield its items on the event loop; a
-    consumer that stops early closes it (releasing the engine) before this returns."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    stopped = threading.Event()
-
-    def produce() -> None:
-        outcome: Any = _DONE
-        try:
-            with closing(make_iterator()) as iterator:
-                for item in iterator:
-                    loop.call_soon_threadsafe(queue.put_nowait, (item, None))
-                    if stopped.is_set():
-                        break
-        except BaseException as error:  # re-raised on the event loop
-            outcome = error
-        loop.call_soon_threadsafe(queue.put_nowait, (_DONE, outcome))
-
-    worker = loop.run_in_executor(None, produce)
-    try:
-        while True:
-            item, outcome = await queue.get()
-            if item is not _DONE:
-                yield item
-            elif outcome is _DONE:
-                break
-            else:
-                raise outcome
-    finally:
-        stopped.set()
-        await worker
