@@ -124,24 +124,28 @@ def cmd_ask(args) -> int:
 
 def cmd_demo(args) -> int:
     records = [json.loads(line) for line in DEMO_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
-    config = _config(args) or SnapKVConfig(max_capacity_prompt=args.budget)
-    llm = _engine(args, config)
-    print(f"model {llm.model_name}; SnapKV budget {config.max_capacity_prompt} tokens per layer and head, "
-          f"window {config.window_size}\n")
-    for record in records[: args.questions]:
-        both = llm.compare(record["question"], record["documents"], methods={"full cache": None, "SnapKV": config},
+    try:
+        configs = {f"SnapKV@{b}": SnapKVConfig(max_capacity_prompt=b, window_size=args.window, kernel_size=args.kernel,
+                                               pooling=args.pooling) for b in args.budgets}
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    llm = _engine(args, None)
+    print(f"model {llm.model_name}; SnapKV window {args.window}, kernel {args.kernel}, {args.pooling} pooling; "
+          f"one shared prefill per question, then each cache decoded in turn\n")
+    for record in records:
+        both = llm.compare(record["question"], record["documents"], methods={"full cache": None, **configs},
                            hit_rate=False)
-        print(f"Q: {record['question']}   (gold answer: {' / '.join(record['answers'])}; "
-              f"the answer is in document [{record['gold_document']}] of {len(record['documents'])})")
+        print(f"Q: {record['question']}\n   gold answer: {' / '.join(record['answers'])}; in document "
+              f"[{record['gold_document']}] of {len(record['documents'])}")
         full = both.results["full cache"]
         for name, result in both.results.items():
             c = result.compression
-            speed = result.timings.decode_ms_per_token / max(full.timings.decode_ms_per_token, 1e-9)
-            print(f"  {name:<10} {result.text.strip()!r}\n"
-                  f"             cites {result.citations or 'nothing'}; kept {c.kept_tokens[0]}/{c.prompt_tokens} "
-                  f"tokens, KV {_mib(c.kv_bytes_kept)}, decode {result.timings.decode_ms_per_token:.1f} ms/token "
-                  f"({speed:.2f}x of full)")
-        print(f"  one shared prefill: {both.prefill_s:.2f} s\n")
+            speedup = full.timings.decode_ms_per_token / max(result.timings.decode_ms_per_token, 1e-9)
+            print(f"  {name:<12} {result.text.strip()!r}\n"
+                  f"{'':15}kept {c.kept_tokens[0]}/{c.prompt_tokens} tokens per layer, KV cache "
+                  f"{_mib(c.kv_bytes_kept)} of {_mib(c.kv_bytes_full)}, decode "
+                  f"{result.timings.decode_ms_per_token:.1f} ms/token ({speedup:.2f}x the full cache's speed)")
+        print(f"  prefill (shared): {both.prefill_s:.2f} s\n")
     return 0
 
 
@@ -167,9 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="JSONL (one {'text', 'title'} or string per line), JSON list, .txt/.md files, or folders")
     ask.add_argument("--json", action="store_true", help="print the whole result as JSON")
     ask.set_defaults(func=cmd_ask)
-    demo = sub.add_parser("demo", parents=[common], help="bundled NQ questions: full cache and SnapKV side by side")
-    demo.add_argument("--questions", type=int, default=2, help="how many bundled questions (default 2)")
-    demo.set_defaults(func=cmd_demo, budget=256)
+    demo = sub.add_parser("demo", parents=[common], help="a bundled NQ question: full cache and SnapKV side by side")
+    demo.add_argument("--budgets", type=int, nargs="+", default=[1024, 256],
+                      help="SnapKV budgets to show beside the full cache (default 1024 256)")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -76,7 +76,6 @@ def normalise(text: str) -> str:
 
 def test_nq_question_with_gold_among_distractors_is_answered(engine):
     record = json.loads(DEMO_FILE.read_text(encoding="utf-8").splitlines()[0])
-    result = engine.generate(record["question"], record["documents"],
-                             snapkv=SnapKVConfig(max_capacity_prompt=256), max_new_tokens=32)
-    assert result.compression.prompt_tokens > 1000 and result.compression.kept_tokens[0] == 256
+    result = engine.generate(record["question"], record["documents"], max_new_tokens=32)  # default SnapKV@1024
+    assert result.compression.prompt_tokens > 1024 and result.compression.kept_tokens == [1024] * 30
     assert any(normalise(answer) in normalise(result.text) for answer in record["answers"]), result.text
