@@ -85,6 +85,49 @@ class PrefillPlan:
         self.decode_attention[layer_idx] = probs if total is None else total + probs
 
 
+class _Reserved:
+    """A cache layer's K/V moved into buffers with room for ``extra`` more tokens: decoding then
+    writes each new token in place instead of concatenating, which copies the whole cache at
+    every step (the dominant cost of a long full cache on CPU)."""
+
+    def __init__(self, layer, extra: int):
+        self.layer, self.length = layer, layer.keys.shape[-2]
+        self.keys = self._buffer(layer.keys, extra)
+        self.values = self._buffer(layer.values, extra)
+        layer.update = self.update
+        self._expose()
+
+    def _buffer(self, states: torch.Tensor, extra: int) -> torch.Tensor:
+        b, h, length, d = states.shape
+        buffer = states.new_empty((b, h, length + extra, d))
+        buffer[:, :, :length] = states
+        return buffer
+
+    def _expose(self) -> None:
+        self.layer.keys = self.keys[:, :, : self.length]
+        self.layer.values = self.values[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:  # past the reservation: grow as a plain layer would
+            self.keys = torch.cat([self.keys[:, :, : self.length], key_states], dim=-2)
+            self.values = torch.cat([self.values[:, :, : self.length], value_states], dim=-2)
+        else:
+            self.keys[:, :, self.length:end] = key_states
+            self.values[:, :, self.length:end] = value_states
+        self.length = end
+        self._expose()
+        return self.layer.keys, self.layer.values
+
+
+def reserve(cache, extra: int) -> None:
+    """Give every full-attention layer of ``cache`` room for ``extra`` decoded tokens."""
+    with torch.inference_mode():
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4 and not _is_sliding(layer):
+                _Reserved(layer, extra)
+
+
 def _is_sliding(layer) -> bool:
     return "Sliding" in type(layer).__name__ or getattr(layer, "is_sliding", False)
 

@@ -458,6 +458,7 @@ class SnapKVLLM:
         valid = self._valid_slots(pre.mask, pre.real, cache.layers[0].keys.shape[-2]) if pre.padded else None
         positions = pre.real.clone()
         logits, steps, decode_s = pre.logits, 0, 0.0
+        attach.reserve(cache, max_new_tokens)
         try:
             for step in range(max_new_tokens):
                 tokens = self._sample(logits, temperature, top_p, generator)
