@@ -122,14 +122,21 @@ def write_csv(records: Sequence[dict], path: Path) -> None:
         writer.writerows(records)
 
 
-def write_all(out: Path) -> None:
-    """summary.md, summary.csv and plots/ for the rows in ``out``."""
-    path = out / "rows.jsonl"
-    if not path.exists():
-        raise SystemExit(f"{path} does not exist: run the evals first")
-    rows = read_rows(path)
+def collect_rows(out: Path) -> list[dict]:
+    """``out/rows.jsonl``, or the rows of every ``out/*/rows.jsonl`` (runs split into parallel
+    processes, one folder each, report together)."""
+    paths = [out / "rows.jsonl"] if (out / "rows.jsonl").exists() else sorted(out.glob("*/rows.jsonl"))
+    if not paths:
+        raise SystemExit(f"no rows.jsonl in {out} or its subfolders: run the evals first")
+    rows = [r for p in paths for r in read_rows(p)]
     if not rows:
-        raise SystemExit(f"{path} has no rows yet")
+        raise SystemExit(f"{out} has no rows yet")
+    return rows
+
+
+def write_all(out: Path) -> None:
+    """summary.md, summary.csv and plots/ for the rows in ``out`` (or its subfolders)."""
+    rows = collect_rows(out)
     cells = aggregate(rows, ("dataset", "num_docs", "gold_position", "method"))
     by_n = aggregate(rows, ("dataset", "num_docs", "method"))
     by_position = aggregate(rows, ("dataset", "gold_position", "method"))
