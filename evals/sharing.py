@@ -30,6 +30,7 @@ def measure(llm: Any, specs: Sequence[MethodSpec], num_prompts: int, *, seed: in
               "methods": list(configs), "shared_s": round(shared, 2), "separate_s": round(separate, 2),
               "saving_ratio": round(separate / shared, 2)}
     print(f"{len(examples)} NQ prompts (N={num_docs}, ~{mean_tokens:.0f} tokens), {len(configs)} methods "
-          f"({', '.join(configs)}): one compare() each took {shared:.1f} s, {len(configs)} generate() calls each "
-          f"took {separate:.1f} s: the shared prefill is {separate / shared:.2f}x faster (hit_rate off in both).")
+          f"({', '.join(configs)}): one compare() per prompt took {shared:.1f} s in all, {len(configs)} generate() "
+          f"calls per prompt took {separate:.1f} s in all: sharing the prefill is {separate / shared:.2f}x faster "
+          f"(hit_rate off in both).")
     return result
