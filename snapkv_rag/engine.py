@@ -456,6 +456,8 @@ class SnapKVLLM:
             generator = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**62))
         states = [_TextState(self.tokenizer, stop) for _ in pre.requests]
         valid = self._valid_slots(pre.mask, pre.real, cache.layers[0].keys.shape[-2]) if pre.padded else None
+        if valid is not None and bool(valid.all()):
+            valid = None  # compression dropped every pad: decode exactly as unpadded rows do
         positions = pre.real.clone()
         logits, steps, decode_s = pre.logits, 0, 0.0
         attach.reserve(cache, max_new_tokens)
