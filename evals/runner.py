@@ -29,8 +29,7 @@ _SETTINGS_KEYS = ("model", "instruction", "max_new_tokens", "stop", "seed", "dty
 
 def prompt_tokens(llm: Any, example: Example) -> int:
     """The prompt length exactly as the engine will tokenise it (chat template included)."""
-    request = llm._request([{"role": "user", "content": example.question}], list(example.documents))
-    return len(request.input_ids)
+    return llm.prompt_tokens(example.question, list(example.documents))
 
 
 def cell_key(example: Example) -> tuple[str, int, str]:

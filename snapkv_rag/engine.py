@@ -187,6 +187,10 @@ class SnapKVLLM:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
+    def prompt_tokens(self, question: str, documents: Sequence[DocumentLike] | None = None) -> int:
+        """The length of the prompt ``generate(question, documents)`` would run, chat template included."""
+        return len(self._request([{"role": "user", "content": self._check_question(question)}], documents).input_ids)
+
     def generate(self, question: str, documents: Sequence[DocumentLike] | None = None, **options) -> GenerationResult:
         """Answer ``question`` over ``documents`` (strings, dicts with ``text``, or :class:`Document`).
 

@@ -43,8 +43,8 @@ def test_prompt_over_the_context_window_gives_count_and_limit(tokenizer):
     with pytest.raises(ContextLengthError) as info:
         engine.generate("What lies north?", filler_documents(10), max_new_tokens=8)
     message = str(info.value)
-    tokens = engine._request([{"role": "user", "content": "What lies north?"}], filler_documents(10)).input_ids
-    assert f"prompt is {len(tokens)} tokens" in message and "context window of 256 tokens" in message
+    tokens = engine.prompt_tokens("What lies north?", filler_documents(10))
+    assert f"prompt is {tokens} tokens" in message and "context window of 256 tokens" in message
     still_works(engine)
 
 
