@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
-import os
 import platform
 import random
 import sys

@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -31,17 +30,8 @@ sys.path.insert(0, str(HERE))
 
 from rag_prompts import build_prompt, prompt_ids  # noqa: E402
 
-
-def token_f1(a: str, b: str) -> float:
-    """SQuAD-style token F1 between two answers (lower-cased, whitespace tokens)."""
-    x, y = a.lower().split(), b.lower().split()
-    if not x or not y:
-        return float(x == y)
-    common = sum((Counter(x) & Counter(y)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(x), common / len(y)
-    return 2 * precision * recall / (precision + recall)
+sys.path.insert(0, str(HERE.parent))
+from evals.metrics import token_f1  # noqa: E402  (SQuAD-normalised token F1)
 
 
 class KVPressWorker:

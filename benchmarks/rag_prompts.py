@@ -58,13 +58,11 @@ def build_prompt(tokenizer, target_tokens: int, index: int = 0) -> Prompt:
     gold = pool[index % len(pool)]
     others = [r for i, r in enumerate(pool) if i != index % len(pool)]
     documents = [{"title": gold["title"], "text": gold["text"]}]
-    length = prompt_tokens(tokenizer, gold["question"], documents)
     for record in others:
         candidate = documents + [{"title": record["title"], "text": record["text"]}]
-        candidate_length = prompt_tokens(tokenizer, gold["question"], candidate)
-        if candidate_length > target_tokens:
+        if prompt_tokens(tokenizer, gold["question"], candidate) > target_tokens:
             break
-        documents, length = candidate, candidate_length
+        documents = candidate
     else:
         raise ValueError(f"not enough passages in {DATA.name} for a {target_tokens}-token prompt")
     middle = len(documents) // 2

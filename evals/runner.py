@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean

@@ -127,6 +127,13 @@ class SnapKVLLM(CustomLLM):
         request = self._request(self._completion_messages(prompt, formatted), kwargs)
         return self._completion(self.engine.chat(**request))
 
+    def _completion_chunk(self, text: str, item: str | GenerationResult) -> tuple[str, CompletionResponse]:
+        """The running text and the response for one streamed piece (or the final result)."""
+        if isinstance(item, str):
+            text += item
+            return text, CompletionResponse(text=text, delta=item)
+        return text, CompletionResponse(text=text, delta="", raw=item.to_dict(), additional_kwargs=self._details(item))
+
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         request = self._request(self._completion_messages(prompt, formatted), kwargs)
@@ -135,12 +142,8 @@ class SnapKVLLM(CustomLLM):
             text = ""
             with closing(self._pieces(request)) as items:
                 for item in items:
-                    if isinstance(item, str):
-                        text += item
-                        yield CompletionResponse(text=text, delta=item)
-                    else:
-                        yield CompletionResponse(text=text, delta="", raw=item.to_dict(),
-                                                 additional_kwargs=self._details(item))
+                    text, response = self._completion_chunk(text, item)
+                    yield response
         return gen()
 
     @llm_completion_callback()
@@ -156,12 +159,8 @@ class SnapKVLLM(CustomLLM):
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
             async for item in iterate_in_thread(lambda: self._pieces(request)):
-                if isinstance(item, str):
-                    text += item
-                    yield CompletionResponse(text=text, delta=item)
-                else:
-                    yield CompletionResponse(text=text, delta="", raw=item.to_dict(),
-                                             additional_kwargs=self._details(item))
+                text, response = self._completion_chunk(text, item)
+                yield response
         return gen()
 
     # ------------------------------------------------------------------ chat
