@@ -116,7 +116,8 @@ def cmd_ask(args) -> int:
     if not result.citations:
         print("(no document cited)")
     print()
-    print(f"{c.method}: kept {c.kept_tokens[0]} of {c.prompt_tokens} prompt tokens per layer, KV cache "
+    within = " (the prompt fits the budget: nothing dropped)" if c.method != "full" and c.ratio == 1.0 else ""
+    print(f"{c.method}: kept {c.kept_tokens[0]} of {c.prompt_tokens} prompt tokens per layer{within}, KV cache "
           f"{_mib(c.kv_bytes_kept)} of {_mib(c.kv_bytes_full)}, selection {c.selection_ms:.0f} ms, prefill "
           f"{result.timings.prefill_s:.2f} s, decode {result.timings.decode_ms_per_token:.1f} ms/token")
     return 0
