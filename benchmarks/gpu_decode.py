@@ -14,7 +14,7 @@ far below either vocabulary), so a prompt's length is exact and any length is ch
 end-of-sequence rows of the LM head are zeroed so that random weights never stop early.
 
     python benchmarks/gpu_decode.py results/gpu-h200            # the H200 run, < 8 minutes
-    python benchmarks/gpu_decode.py --tiny --device cpu /tmp/x  # the same code, tiny, on CPU
+    python benchmarks/gpu_decode.py --tiny --device cpu OUT_DIR  # the same code, tiny, on CPU
 """
 
 from __future__ import annotations
