@@ -58,6 +58,15 @@ class EngineFields(BaseModel):
     def model_name(self) -> str:
         return self.engine.model_name
 
+    @property
+    def _llm_type(self) -> str:
+        return "snapkv"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "snapkv": repr(self.snapkv), "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p}
+
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids from the model's own tokenizer."""
         return list(self.engine.tokenizer(text, add_special_tokens=False).input_ids)

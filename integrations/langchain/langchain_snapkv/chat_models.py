@@ -56,15 +56,6 @@ class ChatSnapKV(EngineFields, BaseChatModel):
     not supported.
     """
 
-    @property
-    def _llm_type(self) -> str:
-        return "snapkv"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "snapkv": repr(self.snapkv), "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "top_p": self.top_p}
-
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider="snapkv", ls_model_type="chat",
                                  ls_model_name=kwargs.get("model") if isinstance(kwargs.get("model"), str)

@@ -34,15 +34,6 @@ class SnapKVLLM(EngineFields, BaseLLM):
     ``llm_output["token_usage"]`` sums the usage over the prompts.
     """
 
-    @property
-    def _llm_type(self) -> str:
-        return "snapkv"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "snapkv": repr(self.snapkv), "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "top_p": self.top_p}
-
     def _generation(self, result: GenerationResult) -> Generation:
         info = result_metadata(result, self.model_name)
         info["usage"] = {"prompt_tokens": result.usage.prompt_tokens,
