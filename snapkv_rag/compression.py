@@ -119,7 +119,7 @@ def streaming_select(key_states: torch.Tensor, value_states: torch.Tensor, confi
     capacity = config.max_capacity_prompt
     recent = capacity - config.sink_tokens
     # earlier positions score higher, so the sinks are the first real tokens of each row
-    scores = -torch.arange(length - recent, device=key_states.device, dtype=torch.float32).expand(b, h_kv, -1)
+    scores = -torch.arange(max(length - recent, 0), device=key_states.device, dtype=torch.float32).expand(b, h_kv, -1)
     return keep_top(scores, key_states, value_states, capacity, recent, attention_mask)
 
 

@@ -140,3 +140,22 @@ def test_random_is_seeded_and_pyramid_budgets_average_out():
     budgets = [pyramid.budget_for_layer(i, 30) for i in range(30)]
     assert budgets[0] > budgets[-1] > 32
     assert abs(sum(budgets) / 30 - 256) <= 1
+
+
+@pytest.mark.parametrize("config", [
+    SnapKVConfig(max_capacity_prompt=40, window_size=4),
+    PyramidKVConfig(max_capacity_prompt=40, window_size=4),
+    StreamingLLMConfig(max_capacity_prompt=40, sink_tokens=4),
+    H2OConfig(max_capacity_prompt=40, recent_size=4),
+    RandomConfig(max_capacity_prompt=40, recent_size=4),
+], ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize("length", [3, 20, 39, 40])
+def test_every_method_keeps_a_prompt_no_longer_than_its_budget(config, length):
+    # a prompt shorter than the recent window itself included (a short question in an eval cell
+    # whose budget comes from the cell's mean prompt)
+    from snapkv_rag.compression import select
+
+    q, k, v = random_qkv(length=length, window=length)
+    keys, values, kept = select(config, q, k, v, None, layer_idx=0, num_layers=2)
+    assert torch.equal(keys, k) and torch.equal(values, v)
+    assert kept[0, 0].tolist() == list(range(length))
