@@ -40,13 +40,14 @@ def _reset_peak() -> bool:
         return False
 
 
-def measure(model: str | None, size: int, budget: int, max_new_tokens: int, threads: int | None = None) -> dict:
+def measure(model: str | None, size: int, budget: int, max_new_tokens: int, threads: int | None = None,
+            prefill_chunk: int | None = 4096) -> dict:
     import torch
     from snapkv_rag import SnapKVConfig, SnapKVLLM
 
     if threads:
         torch.set_num_threads(threads)
-    llm = SnapKVLLM(model)
+    llm = SnapKVLLM(model, prefill_chunk=prefill_chunk)
     prompt = build_prompt(llm.tokenizer, size)
     warm = build_prompt(llm.tokenizer, 256, index=199)  # pages the weights in: they are not the cache's cost
     llm.generate(warm.question, warm.documents, max_new_tokens=2, snapkv=False)
@@ -62,7 +63,7 @@ def measure(model: str | None, size: int, budget: int, max_new_tokens: int, thre
     else:
         peak_delta = peak - rss_loaded
     return {"size": size, "method": f"snapkv@{budget}" if budget else "full",
-            "prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
+            "prefill_chunk": prefill_chunk, "prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
             "peak_rss_delta_mib": None if peak_delta is None else peak_delta / 1024,
             "peak_source": "VmHWM after clear_refs" if reset else "ru_maxrss",
             "kv_bytes_full": result.compression.kv_bytes_full, "kv_bytes_kept": result.compression.kv_bytes_kept,
@@ -78,8 +79,11 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=0, help="SnapKV max_capacity_prompt; 0 = full cache")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--prefill-chunk", type=int, default=4096,
+                        help="the engine's prefill_chunk (MLP slice in tokens); 0 = the whole prompt at once")
     args = parser.parse_args()
-    print(json.dumps(measure(args.model, args.size, args.budget, args.max_new_tokens, args.threads)))
+    print(json.dumps(measure(args.model, args.size, args.budget, args.max_new_tokens, args.threads,
+                             args.prefill_chunk or None)))
 
 
 if __name__ == "__main__":

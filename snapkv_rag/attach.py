@@ -6,6 +6,11 @@ that call the model's own attention and then, during a prefill that an engine ha
 happens right after each layer's attention, so at most one layer's full K/V is alive at a time,
 and the keys keep the RoPE rotation of their original positions.
 
+:func:`chunk_mlps` makes each decoder layer's MLP run over the prompt in slices of
+``PrefillPlan.mlp_chunk`` tokens during a prefill: the MLP works token by token, and its
+intermediate activations (3.5x the hidden size in Llama models, for every prompt token at once)
+are what limits the longest prompt once the cache is compressed layer by layer.
+
 Outside a plan the wrapper adds nothing but one context-variable lookup.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 import torch
@@ -49,6 +55,7 @@ class PrefillPlan:
     decode_attention: dict[int, torch.Tensor] = field(default_factory=dict)
     prompt_length: int = 0
     selection_s: float = 0.0
+    mlp_chunk: int | None = None
 
     def after_attention(self, module, query: torch.Tensor, key: torch.Tensor) -> None:
         layer_idx = module.layer_idx
@@ -132,7 +139,55 @@ def _is_sliding(layer) -> bool:
     return "Sliding" in type(layer).__name__ or getattr(layer, "is_sliding", False)
 
 
+class _Static:
+    """A cache layer's K/V moved into fixed-size buffers with room for ``extra`` decoded tokens.
+
+    Each decode step writes its token at the slot held in the shared one-element tensor ``slot``
+    and attention sees the whole buffer, with a mask hiding the slots not written yet: every step
+    has the same shapes, which is what ``torch.compile`` (and CUDA graphs) need."""
+
+    def __init__(self, layer, extra: int, slot: torch.Tensor):
+        b, h, length, d = layer.keys.shape
+        self.slot = slot
+        self.keys = layer.keys.new_zeros((b, h, length + extra, d))
+        self.values = layer.values.new_zeros((b, h, length + extra, d))
+        self.keys[:, :, :length] = layer.keys
+        self.values[:, :, :length] = layer.values
+        layer.keys, layer.values = self.keys, self.values
+        layer.update = self.update
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys.index_copy_(2, self.slot, key_states)
+        self.values.index_copy_(2, self.slot, value_states)
+        return self.keys, self.values
+
+
+def make_static(cache, extra: int) -> torch.Tensor | None:
+    """Give ``cache`` fixed-size buffers (see :class:`_Static`) and return the slot tensor the
+    decode loop sets before each step; ``None`` (cache untouched) when its layers are not all
+    full-attention layers of one length (PyramidKV budgets, sliding-window layers)."""
+    layers = list(cache.layers)
+    keys = [getattr(layer, "keys", None) for layer in layers]
+    if (not layers or any(k is None or k.dim() != 4 for k in keys) or len({k.shape[-2] for k in keys}) != 1
+            or any(_is_sliding(layer) for layer in layers)):
+        return None
+    slot = torch.zeros(1, dtype=torch.long, device=layers[0].keys.device)  # a plain tensor: set between steps
+    with torch.inference_mode():
+        for layer in layers:
+            _Static(layer, extra, slot)
+    return slot
+
+
 _active: contextvars.ContextVar[PrefillPlan | None] = contextvars.ContextVar("snapkv_rag_plan", default=None)
+# How many plans are active in any thread. The attention and MLP wrappers look the context
+# variable up only when it is non-zero: torch.compile cannot trace ContextVar.get, and a compiled
+# decode step runs with no plan open (guarded on this value).
+_open_plans = 0
+_open_plans_lock = threading.Lock()
+
+
+def _current_plan() -> PrefillPlan | None:
+    return _active.get() if _open_plans else None
 
 
 class activate:
@@ -144,10 +199,16 @@ class activate:
         self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> PrefillPlan:
+        global _open_plans
         self._tokens.append(_active.set(self.plan))
+        with _open_plans_lock:
+            _open_plans += 1
         return self.plan
 
     def __exit__(self, *exc_info) -> None:
+        global _open_plans
+        with _open_plans_lock:
+            _open_plans -= 1
         _active.reset(self._tokens.pop())
 
 
@@ -161,13 +222,45 @@ def _base_function(base: str, module):
 def _make_wrapper(base: str):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
-        plan = _active.get()
+        plan = _current_plan()
         if plan is not None:
             plan.after_attention(module, query, key)
         return output
 
     attention.__name__ = f"{PREFIX}{base}"
     return attention
+
+
+def _chunked_forward(original):
+    def forward(hidden_states, *args, **kwargs):
+        plan = _current_plan()
+        chunk = plan.mlp_chunk if plan is not None and plan.phase == "prefill" else None
+        length = hidden_states.shape[-2] if hidden_states.dim() >= 2 else 0
+        if not chunk or length <= chunk:
+            return original(hidden_states, *args, **kwargs)
+        out = None
+        for start in range(0, length, chunk):
+            part = original(hidden_states[..., start:start + chunk, :], *args, **kwargs)
+            if out is None:
+                out = part.new_empty((*hidden_states.shape[:-1], part.shape[-1]))
+            out[..., start:start + chunk, :] = part
+        return out
+
+    forward.__wrapped__ = original
+    return forward
+
+
+def chunk_mlps(model) -> int:
+    """Route every decoder layer's ``mlp`` through :func:`_chunked_forward` (idempotent); returns
+    how many MLPs are routed. Outside a prefill plan with ``mlp_chunk`` set they run unchanged."""
+    count = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "mlp" or not isinstance(module, torch.nn.Module):
+            continue
+        if not hasattr(module.forward, "__wrapped__"):
+            module.forward = _chunked_forward(module.forward)
+        count += 1
+    return count
 
 
 def register() -> None:

@@ -146,18 +146,34 @@ class SnapKVLLM:
 
     ``model`` is a folder, a ``.gguf`` file, a hub id, or an already loaded transformers model
     (then pass ``tokenizer`` too). ``snapkv`` is the default compression (``SnapKVConfig()``;
-    ``False`` or ``None`` for the full cache); every call may override it.
+    ``False`` or ``None`` for the full cache); every call may override it. ``prefill_chunk`` runs
+    each layer's MLP over the prompt in slices of that many tokens (``None``: all at once), which
+    bounds the prefill's activations on long prompts without changing what is computed.
+    ``compile=True`` (or a ``torch.compile`` mode name) decodes from fixed-size cache buffers with
+    a compiled step: the first call of each shape compiles (tens of seconds), later ones run
+    with less per-token overhead; PyramidKV's unequal layers decode uncompiled.
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, attn_implementation: str = "sdpa",
                  snapkv: Any = SnapKVConfig(), max_new_tokens: int = 128, instruction: str = DEFAULT_INSTRUCTION,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, prefill_chunk: int | None = 4096, compile: bool | str = False):
         attach.wrapped_name(attn_implementation)  # validate before any loading
         if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
             raise ValueError("attn_implementation: 'flash_attention_2' needs the flash-attn package (CUDA only): "
                              "pip install 'snapkv-rag[flash-attn]', or use 'sdpa'")
         self.default_snapkv = self._check_config(snapkv)
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk <= 0):
+            raise ValueError(f"prefill_chunk: expected a positive number of tokens or None, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
+        if not isinstance(compile, (bool, str)):
+            raise ValueError(f"compile: expected True, False or a torch.compile mode name, got {compile!r}")
+        if compile and attn_implementation == "flash_attention_2":
+            raise ValueError("compile: the fixed-size decode cache needs a 4-D attention mask, which "
+                             "flash_attention_2 does not take; use attn_implementation='sdpa' with compile")
+        self.compile = compile
+        self._compiled_step = None
         self.max_new_tokens = self._check_max_new_tokens(max_new_tokens)
         self.instruction = instruction
         if isinstance(model, torch.nn.Module):
@@ -170,6 +186,7 @@ class SnapKVLLM:
                                   trust_remote_code=trust_remote_code)
             self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         attach.attach(self.model, attn_implementation)
+        attach.chunk_mlps(self.model)
         self.attn_implementation = attn_implementation
         self.device = next(self.model.parameters()).device
         self._lock = threading.Lock()  # one forward pass at a time (see _forward)
@@ -375,18 +392,36 @@ class SnapKVLLM:
         finally:
             events.close()  # releases the engine's lock held by the generator
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache, plan=None) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, cache, plan=None, compiled=False) -> torch.Tensor:
         """One model call under the engine's lock. Each request owns its cache, so concurrent
         requests interleave forward passes without sharing state; a stream that is abandoned
         between two tokens holds nothing."""
+        step = self._compiled() if compiled else self._model_step
+        with self._lock, torch.inference_mode(), (attach.activate(plan) if plan else contextlib.nullcontext()):
+            logits = step(input_ids, attention_mask, position_ids, cache)
+            self._sync()
+        return logits
+
+    def _model_step(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   self._cache_kwarg: cache, "use_cache": True}
         if self._keep_last:
             kwargs["logits_to_keep"] = 1
-        with self._lock, torch.inference_mode(), (attach.activate(plan) if plan else contextlib.nullcontext()):
-            logits = self.model(**kwargs).logits[:, -1, :]
-            self._sync()
-        return logits
+        return self.model(**kwargs).logits[:, -1, :]
+
+    def _compiled(self):
+        if self._compiled_step is None:
+            mode = None if self.compile is True else self.compile
+            self._compiled_step = torch.compile(self._model_step, mode=mode)
+        return self._compiled_step
+
+    def _static_mask(self, slots: torch.Tensor) -> torch.Tensor:
+        """The 4-D mask of a fixed-size decode cache from its ``[B, S]`` boolean slot mask."""
+        if self.attn_implementation == "eager":  # eager attention adds the mask to its scores
+            blocked = torch.finfo(self.model.dtype).min
+            return torch.zeros(slots.shape, dtype=self.model.dtype, device=slots.device).masked_fill(
+                ~slots, blocked)[:, None, None, :]
+        return slots[:, None, None, :]
 
     def _sample(self, logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
         if temperature == 0:
@@ -429,7 +464,8 @@ class SnapKVLLM:
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = DynamicCache(config=self.model.config)
         plan = attach.PrefillPlan(cache=cache, config=config, attention_mask=mask if padded else None,
-                                  num_layers=self.model.config.num_hidden_layers, branches=branches or {})
+                                  num_layers=self.model.config.num_hidden_layers, branches=branches or {},
+                                  mlp_chunk=self.prefill_chunk)
         start = time.perf_counter()
         try:
             logits = self._forward(ids, mask if padded else None, (mask.cumsum(-1) - 1).clamp(min=0), cache, plan)
@@ -464,7 +500,15 @@ class SnapKVLLM:
             valid = None  # compression dropped every pad: decode exactly as unpadded rows do
         positions = pre.real.clone()
         logits, steps, decode_s = pre.logits, 0, 0.0
-        attach.reserve(cache, max_new_tokens)
+        slot = None
+        if self.compile and not pre.plan.record_decode_attention:
+            kept_slots = cache.layers[0].keys.shape[-2]
+            slot = attach.make_static(cache, max_new_tokens)
+        if slot is None:
+            attach.reserve(cache, max_new_tokens)
+        else:
+            slots = torch.zeros((batch, kept_slots + max_new_tokens), dtype=torch.bool, device=self.device)
+            slots[:, :kept_slots] = True if valid is None else valid.bool()
         try:
             for step in range(max_new_tokens):
                 tokens = self._sample(logits, temperature, top_p, generator)
@@ -481,11 +525,17 @@ class SnapKVLLM:
                         yield row, piece
                 if all(s.finished for s in states) or step == max_new_tokens - 1:
                     break
-                if valid is not None:
-                    valid = torch.cat([valid, valid.new_ones((batch, 1))], dim=-1)
                 start = time.perf_counter()
-                logits = self._forward(tokens[:, None], valid, positions[:, None], cache,
-                                       pre.plan if pre.plan.record_decode_attention else None)
+                if slot is not None:
+                    slots[:, kept_slots + step] = True
+                    slot.fill_(kept_slots + step)
+                    logits = self._forward(tokens[:, None], self._static_mask(slots), positions[:, None], cache,
+                                           compiled=True)
+                else:
+                    if valid is not None:
+                        valid = torch.cat([valid, valid.new_ones((batch, 1))], dim=-1)
+                    logits = self._forward(tokens[:, None], valid, positions[:, None], cache,
+                                           pre.plan if pre.plan.record_decode_attention else None)
                 decode_s += time.perf_counter() - start
                 positions += 1
                 steps += 1

@@ -123,3 +123,61 @@ def test_eager_attention_gives_the_same_selection(tiny_model, tokenizer):
     second = eager.generate("What lies north?", docs, snapkv=BUDGET, max_new_tokens=8)
     SnapKVLLM(model=tiny_model, tokenizer=tokenizer)  # restore sdpa for the other tests
     assert first.text == second.text
+
+
+def test_chunked_mlp_prefill_computes_the_same_answer(tiny_model, tokenizer):
+    """``prefill_chunk`` slices each MLP's input during prefill (bounding its activations on long
+    prompts) and changes nothing else: same kept positions, same greedy answer."""
+    chunked = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, prefill_chunk=16)
+    whole = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, prefill_chunk=None)
+    seen: list[int] = []
+    handle = tiny_model.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].shape[-2]))
+    try:
+        question, docs = "What lies north?", filler_documents(4)
+        a = chunked.generate(question, docs, snapkv=BUDGET, max_new_tokens=10)
+        prefill_calls, seen[:] = list(seen), []
+        b = whole.generate(question, docs, snapkv=BUDGET, max_new_tokens=10)
+    finally:
+        handle.remove()
+    length = a.usage.prompt_tokens
+    assert length > 100
+    # prefill: ceil(L / 16) slices of at most 16 tokens, then one call per decoded token
+    assert prefill_calls[: -(-length // 16)] == [16] * (length // 16) + ([length % 16] if length % 16 else [])
+    assert set(prefill_calls[-(-length // 16):]) <= {1}
+    assert seen[0] == length  # unchunked engine: the whole prompt at once
+    assert a.text == b.text and a.compression.kept_tokens == b.compression.kept_tokens
+
+
+def test_prefill_chunk_is_validated(tiny_model, tokenizer):
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            SnapKVLLM(model=tiny_model, tokenizer=tokenizer, prefill_chunk=bad)
+
+
+def test_compiled_decode_gives_the_same_answers_and_compiles_once_per_shape(tiny_model, tokenizer):
+    """``compile=True`` decodes from fixed-size buffers through torch.compile: same greedy text as
+    the plain loop (SnapKV, full cache, a padded batch), and a second request with the same cache
+    shape reuses the compiled step."""
+    from torch._dynamo.utils import counters
+
+    plain = SnapKVLLM(model=tiny_model, tokenizer=tokenizer)
+    compiled = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, compile=True)
+    question = "What lies north?"
+    first = compiled.generate(question, filler_documents(6), snapkv=BUDGET, max_new_tokens=10)
+    assert first.text == plain.generate(question, filler_documents(6), snapkv=BUDGET, max_new_tokens=10).text
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    again = compiled.generate(question, filler_documents(7), snapkv=BUDGET, max_new_tokens=10)
+    assert counters["stats"]["unique_graphs"] == graphs  # same budget, same shapes: no new compile
+    assert again.text == plain.generate(question, filler_documents(7), snapkv=BUDGET, max_new_tokens=10).text
+    questions, docs = [question, "Who?"], [filler_documents(3), filler_documents(1)]
+    for snapkv in (False, SnapKVConfig(max_capacity_prompt=160, window_size=8)):  # 2nd: one row under budget
+        got = compiled.generate_batch(questions, docs, snapkv=snapkv, max_new_tokens=8)
+        want = plain.generate_batch(questions, docs, snapkv=snapkv, max_new_tokens=8)
+        assert [r.text for r in got] == [r.text for r in want]
+
+
+def test_compile_option_is_validated(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="compile"):
+        SnapKVLLM(model=tiny_model, tokenizer=tokenizer, compile=3)
