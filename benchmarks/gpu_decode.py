@@ -306,7 +306,11 @@ def main() -> None:
     parser.add_argument("--time-budget-s", type=float, default=450.0,
                         help="stop starting new cells after this long (default 450: the run must end in 8 min)")
     parser.add_argument("--no-longest", action="store_true", help="skip the longest-prompt estimate and check")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the third method, SnapKV decoding through the compiled fixed-size-cache step")
     args = parser.parse_args()
+    from snapkv_rag import SnapKVLLM
+
     models = TINY_MODELS if args.tiny else MODELS
     names = args.models or list(models)
     sizes = args.sizes or ([256, 512] if args.tiny else [16384, 32768, 65536, 131072])
@@ -330,6 +334,11 @@ def main() -> None:
             report["models"][name] = {"skipped": "time budget"}
             continue
         llm = build_llm(name, models[name], device, dtype, tokenizer)
+        compiled = None if args.no_compile else SnapKVLLM(model=llm.model, tokenizer=tokenizer, snapkv=False,
+                                                          compile=True)
+        warmed: set[int] = set()
+        methods = [("full", None, llm), ("snapkv", budget, llm)] + (
+            [] if compiled is None else [("snapkv_compiled", budget, compiled)])
         weights, per_token = weight_bytes_read(llm.model), kv_bytes_per_token(llm.model)
         capacity = device.capacity_bytes()
         entry = {"shape": models[name], "weight_bytes_read_per_step": weights, "kv_bytes_per_token": per_token,
@@ -342,7 +351,7 @@ def main() -> None:
         for size in sizes:
             for batch in args.batches:
                 cell = {"size": size, "batch": batch}
-                for method, method_budget in (("full", None), ("snapkv", budget)):
+                for method, method_budget, engine in methods:
                     cached = (size if method == "full" else min(size, budget)) + args.steps / 2
                     read, floor = floor_ms(weights, per_token, batch, cached, bandwidth)
                     needs = weights + batch * per_token * (size + args.steps)
@@ -352,21 +361,30 @@ def main() -> None:
                         outcome = {"status": "OOM", "error": f"predicted: the full cache alone needs "
                                                              f"{needs / 2**30:.0f} GiB"}
                     else:
-                        outcome = run_cell(llm, device, size, batch, method_budget, args.steps)
+                        if engine is compiled and batch not in warmed:  # compiles: untimed
+                            started_compile = time.perf_counter()
+                            run_cell(engine, device, 2 * budget, batch, budget, args.steps)
+                            warmed.add(batch)
+                            entry.setdefault("compile_s", {})[batch] = time.perf_counter() - started_compile
+                        outcome = run_cell(engine, device, size, batch, method_budget, args.steps)
                     outcome.update(floor_bytes_read=read, floor_ms_per_token=floor)
                     if outcome["status"] == "ok":
                         outcome["ratio_to_floor"] = outcome["decode_ms_per_token"] / floor
-                        if batch == 1:
+                        if batch == 1 and method in memory_points:
                             memory_points[method].append((size, outcome["peak_bytes"]))
                             last_prefill[method] = (size, outcome["prefill_s"])
                     cell[method] = outcome
                 if cell["full"]["status"] == "ok" and cell["snapkv"]["status"] == "ok":
                     cell["speedup"] = cell["full"]["decode_ms_per_token"] / cell["snapkv"]["decode_ms_per_token"]
+                if cell["full"]["status"] == "ok" and cell.get("snapkv_compiled", {}).get("status") == "ok":
+                    cell["speedup_compiled"] = (cell["full"]["decode_ms_per_token"]
+                                                / cell["snapkv_compiled"]["decode_ms_per_token"])
                 entry["cells"].append(cell)
                 print(f"  {size} x{batch}: " + ", ".join(
                     f"{m} {cell[m].get('decode_ms_per_token', float('nan')):.2f} ms/token "
                     f"({cell[m].get('ratio_to_floor', float('nan')):.2f}x floor) [{cell[m]['status']}]"
-                    for m in ("full", "snapkv")) + (f", speedup {cell['speedup']:.2f}x" if "speedup" in cell else ""),
+                    for m, _, _ in methods) + (f", speedup {cell['speedup']:.2f}x" if "speedup" in cell else "")
+                    + (f", compiled {cell['speedup_compiled']:.2f}x" if "speedup_compiled" in cell else ""),
                     flush=True)
         if not args.no_longest:
             entry["longest"] = {}
@@ -376,7 +394,7 @@ def main() -> None:
             full_fit, snap_fit = entry["longest"]["full"], entry["longest"]["snapkv"]
             if "estimate_tokens" in full_fit and "estimate_tokens" in snap_fit:
                 entry["longest_ratio_estimate"] = snap_fit["estimate_tokens"] / full_fit["estimate_tokens"]
-        del llm
+        del llm, compiled, methods
         gc.collect()
         if device.cuda:
             torch.cuda.empty_cache()
@@ -389,11 +407,12 @@ def main() -> None:
 
 def table(report: dict) -> str:
     lines = ["| model | prompt | batch | full ms/token (x floor) | SnapKV ms/token (x floor) | speedup | "
-             "peak GiB full | peak GiB SnapKV |", "|---|---|---|---|---|---|---|---|"]
+             "SnapKV compiled ms/token (x floor) | speedup compiled | peak GiB full | peak GiB SnapKV |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in report["models"].items():
         for cell in entry.get("cells", []):
             def show(m: str) -> str:
-                c = cell[m]
+                c = cell.get(m, {"status": "-"})
                 return (f"{c['decode_ms_per_token']:.2f} ({c['ratio_to_floor']:.2f}x)" if c["status"] == "ok"
                         else c["status"])
 
@@ -401,11 +420,12 @@ def table(report: dict) -> str:
                 return f"{cell[m]['peak_bytes'] / 2**30:.1f}" if cell[m]["status"] == "ok" else "-"
 
             speed = f"{cell['speedup']:.2f}x" if "speedup" in cell else "-"
+            compiled = f"{cell['speedup_compiled']:.2f}x" if "speedup_compiled" in cell else "-"
             lines.append(f"| {name} | {cell['size']} | {cell['batch']} | {show('full')} | {show('snapkv')} | "
-                         f"{speed} | {peak('full')} | {peak('snapkv')} |")
+                         f"{speed} | {show('snapkv_compiled')} | {compiled} | {peak('full')} | {peak('snapkv')} |")
         for method, fit in entry.get("longest", {}).items():
             lines.append(f"| {name} | longest ({method}) | 1 | {fit.get('status')}: "
-                         f"{fit.get('verified_tokens', fit.get('estimate_tokens', '-'))} tokens | | | | |")
+                         f"{fit.get('verified_tokens', fit.get('estimate_tokens', '-'))} tokens | | | | | | |")
     return "\n".join(lines)
 
 

@@ -56,6 +56,7 @@ class PrefillPlan:
     prompt_length: int = 0
     selection_s: float = 0.0
     mlp_chunk: int | None = None
+    record_s: float = 0.0  # time spent recording decode attention (kept out of decode timings)
 
     def after_attention(self, module, query: torch.Tensor, key: torch.Tensor) -> None:
         layer_idx = module.layer_idx
@@ -86,6 +87,11 @@ class PrefillPlan:
         self.selection_s += time.perf_counter() - start
 
     def _record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self._record_attention(layer_idx, query, key)
+        self.record_s += time.perf_counter() - start
+
+    def _record_attention(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor) -> None:
         probs = compression.attention_probs(query[..., -1:, :], key).sum(dim=-2).mean(dim=2)
         probs = probs[..., : self.prompt_length]
         total = self.decode_attention.get(layer_idx)

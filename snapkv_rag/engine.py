@@ -525,7 +525,7 @@ class SnapKVLLM:
                         yield row, piece
                 if all(s.finished for s in states) or step == max_new_tokens - 1:
                     break
-                start = time.perf_counter()
+                start, recorded = time.perf_counter(), pre.plan.record_s
                 if slot is not None:
                     slots[:, kept_slots + step] = True
                     slot.fill_(kept_slots + step)
@@ -536,7 +536,7 @@ class SnapKVLLM:
                         valid = torch.cat([valid, valid.new_ones((batch, 1))], dim=-1)
                     logits = self._forward(tokens[:, None], valid, positions[:, None], cache,
                                            pre.plan if pre.plan.record_decode_attention else None)
-                decode_s += time.perf_counter() - start
+                decode_s += time.perf_counter() - start - (pre.plan.record_s - recorded)
                 positions += 1
                 steps += 1
         except torch.OutOfMemoryError as error:

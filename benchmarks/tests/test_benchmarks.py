@@ -39,17 +39,19 @@ def test_gpu_script_tiny_on_cpu(tmp_path: Path) -> None:
         assert entry["weight_bytes_read_per_step"] > 0 and entry["kv_bytes_per_token"] > 0
         assert len(entry["cells"]) == 4  # 2 sizes x batches 1 and 2
         for cell in entry["cells"]:
-            for method in ("full", "snapkv"):
+            for method in ("full", "snapkv", "snapkv_compiled"):
                 c = cell[method]
                 assert c["status"] == "ok", (name, cell)
                 assert c["prompt_tokens"] == cell["size"]
                 assert c["decode_ms_per_token"] > 0 and c["floor_ms_per_token"] > 0 and c["ratio_to_floor"] > 0
                 assert c["peak_bytes"] > 0
             assert cell["snapkv"]["kept_tokens_max"] <= report["budget"]
+            assert cell["snapkv_compiled"]["kept_tokens_max"] == cell["snapkv"]["kept_tokens_max"]
             assert cell["full"]["kept_tokens_max"] == cell["size"]
-            assert cell["speedup"] > 0
+            assert cell["speedup"] > 0 and cell["speedup_compiled"] > 0
             assert cell["full"]["floor_bytes_read"] > cell["snapkv"]["floor_bytes_read"]
         assert set(entry["longest"]) == {"full", "snapkv"}
+        assert set(entry["compile_s"]) == {"1", "2"} or set(entry["compile_s"]) == {1, 2}  # warmed, untimed
 
 
 @pytest.mark.skipif(not _embedded_model_available(), reason="the embedded model is not installed or cached")
