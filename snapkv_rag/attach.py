@@ -225,9 +225,32 @@ def _base_function(base: str, module):
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
+def _masked_decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """One decode token against a masked cache, through torch's SDPA with grouped heads.
+
+    transformers copies every KV head ``H / H_kv`` times (``repeat_kv``) whenever a mask is given,
+    which for a long cache costs more than the attention itself; SDPA's ``enable_gqa`` computes the
+    same thing from the cache as it is."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling if scaling is not None else module.scaling,
+        enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _is_masked_decode(base: str, query, key, attention_mask, kwargs) -> bool:
+    return (base == "sdpa" and query.shape[2] == 1 and attention_mask is not None and attention_mask.dim() == 4
+            and attention_mask.dtype == torch.bool and attention_mask.shape[-1] == key.shape[-2]
+            and query.shape[1] % key.shape[1] == 0
+            and not kwargs.get("dropout") and kwargs.get("s_aux") is None and kwargs.get("softcap") is None
+            and not kwargs.get("output_attentions"))
+
+
 def _make_wrapper(base: str):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
+        if not args and _is_masked_decode(base, query, key, attention_mask, kwargs):
+            output = _masked_decode_sdpa(module, query, key, value, attention_mask, **kwargs)
+        else:
+            output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
         plan = _current_plan()
         if plan is not None:
             plan.after_attention(module, query, key)

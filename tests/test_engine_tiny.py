@@ -181,3 +181,22 @@ def test_compiled_decode_gives_the_same_answers_and_compiles_once_per_shape(tiny
 def test_compile_option_is_validated(tiny_model, tokenizer):
     with pytest.raises(ValueError, match="compile"):
         SnapKVLLM(model=tiny_model, tokenizer=tokenizer, compile=3)
+
+
+def test_masked_decode_attention_equals_transformers_sdpa(tiny_model):
+    """A decode token over a masked cache (padded batches, the compiled fixed-size cache) goes
+    through SDPA with grouped heads instead of transformers' copy of every KV head: same output."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from snapkv_rag.attach import _make_wrapper
+
+    module = tiny_model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 1, 16, generator=g)
+    key, value = torch.randn(2, 2, 50, 16, generator=g), torch.randn(2, 2, 50, 16, generator=g)
+    mask = torch.ones(2, 1, 1, 50, dtype=torch.bool)
+    mask[1, ..., :12] = False  # a left-padded row
+    mask[:, ..., 45:] = False  # slots not written yet
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=module.scaling)
+    got, _ = _make_wrapper("sdpa")(module, query, key, value, mask, dropout=0.0, scaling=module.scaling)
+    torch.testing.assert_close(got, want)
