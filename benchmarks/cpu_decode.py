@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import peak_memory  # noqa: E402
 from rag_prompts import build_prompt  # noqa: E402
 
 QUICK_SIZES = [400]
@@ -70,14 +70,6 @@ def decode_speeds(llm, sizes: list[int], budgets: list[int], max_new_tokens: int
         print(f"  {size}: " + ", ".join(f"{n} {e['decode_ms_per_token']:.1f} ms/token"
                                         for n, e in row["methods"].items()), flush=True)
     return rows
-
-
-def peak_memory(model: str | None, size: int, budget: int, max_new_tokens: int, threads: int | None) -> dict:
-    command = [sys.executable, str(HERE / "peak_memory.py"), "--size", str(size), "--budget", str(budget),
-               "--max-new-tokens", str(max_new_tokens)] + (["--model", model] if model else []) + (
-               ["--threads", str(threads)] if threads else [])
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def table(rows: list[dict], budgets: list[int]) -> str:
@@ -147,7 +139,7 @@ def main() -> None:
         print("peak memory (one subprocess per size and method):", flush=True)
         for row in rows:
             for budget in [0] + memory_budgets:
-                probe = peak_memory(args.model, row["size"], budget, max_new, args.threads)
+                probe = peak_memory.probe(args.model, row["size"], budget, max_new, args.threads)
                 name = "full" if budget == 0 else method_name(budget)
                 row["methods"][name]["peak_rss_delta_mib"] = probe["peak_rss_delta_mib"]
                 row["methods"][name]["peak_memory_probe"] = probe

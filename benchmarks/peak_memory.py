@@ -40,6 +40,22 @@ def _reset_peak() -> bool:
         return False
 
 
+def probe(model: str | None, size: int, budget: int, max_new_tokens: int, threads: int | None = None,
+          prefill_chunk: int | None = 4096, env: dict | None = None) -> dict:
+    """Run :func:`measure` in a fresh process (so that one answer's peak cannot hide another's)
+    and return its JSON line; ``env`` adds environment variables."""
+    import os
+    import subprocess
+
+    command = [sys.executable, str(Path(__file__).resolve()), "--size", str(size), "--budget", str(budget),
+               "--max-new-tokens", str(max_new_tokens), "--prefill-chunk", str(prefill_chunk or 0)]
+    command += (["--model", model] if model else []) + (["--threads", str(threads)] if threads else [])
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if done.returncode:
+        raise SystemExit(f"peak_memory.py failed ({' '.join(command[1:])}):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def measure(model: str | None, size: int, budget: int, max_new_tokens: int, threads: int | None = None,
             prefill_chunk: int | None = 4096) -> dict:
     import torch

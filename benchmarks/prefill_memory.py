@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
+import peak_memory  # noqa: E402
 
-def probe(model: str | None, size: int, budget: int, chunk: int, max_new_tokens: int, threads: int | None) -> dict:
-    command = [sys.executable, str(HERE / "peak_memory.py"), "--size", str(size), "--budget", str(budget),
-               "--max-new-tokens", str(max_new_tokens), "--prefill-chunk", str(chunk)]
-    command += (["--model", model] if model else []) + (["--threads", str(threads)] if threads else [])
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode:
-        raise SystemExit(f"peak_memory.py failed ({' '.join(command[1:])}):\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+# blocks of 64 KiB and more are mapped and unmapped on free, so RSS follows live tensors
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def table(rows: list[dict]) -> str:
@@ -59,7 +52,8 @@ def main() -> None:
         for budget in (0, args.budget):
             row = {"size": size, "method": f"snapkv@{budget}" if budget else "full"}
             for label, chunk in (("whole", 0), ("sliced", args.chunk)):
-                row[label] = probe(args.model, size, budget, chunk, args.max_new_tokens, args.threads)
+                row[label] = peak_memory.probe(args.model, size, budget, args.max_new_tokens, args.threads, chunk or None,
+                                               env=MALLOC)
             print(f"{size} {row['method']}: whole {row['whole']['peak_rss_delta_mib']:.0f} MiB, "
                   f"sliced {row['sliced']['peak_rss_delta_mib']:.0f} MiB", flush=True)
             rows.append(row)

@@ -88,14 +88,19 @@ class PrefillPlan:
 
     def _record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor) -> None:
         start = time.perf_counter()
-        self._record_attention(layer_idx, query, key)
-        self.record_s += time.perf_counter() - start
-
-    def _record_attention(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor) -> None:
         probs = compression.attention_probs(query[..., -1:, :], key).sum(dim=-2).mean(dim=2)
         probs = probs[..., : self.prompt_length]
         total = self.decode_attention.get(layer_idx)
         self.decode_attention[layer_idx] = probs if total is None else total + probs
+        self.record_s += time.perf_counter() - start
+
+
+def _with_room(states: torch.Tensor, extra: int) -> torch.Tensor:
+    """``states`` ``[B, H, L, D]`` copied into a zeroed buffer with ``extra`` more positions."""
+    b, h, length, d = states.shape
+    buffer = states.new_zeros((b, h, length + extra, d))
+    buffer[:, :, :length] = states
+    return buffer
 
 
 class _Reserved:
@@ -105,16 +110,9 @@ class _Reserved:
 
     def __init__(self, layer, extra: int):
         self.layer, self.length = layer, layer.keys.shape[-2]
-        self.keys = self._buffer(layer.keys, extra)
-        self.values = self._buffer(layer.values, extra)
+        self.keys, self.values = _with_room(layer.keys, extra), _with_room(layer.values, extra)
         layer.update = self.update
         self._expose()
-
-    def _buffer(self, states: torch.Tensor, extra: int) -> torch.Tensor:
-        b, h, length, d = states.shape
-        buffer = states.new_empty((b, h, length + extra, d))
-        buffer[:, :, :length] = states
-        return buffer
 
     def _expose(self) -> None:
         self.layer.keys = self.keys[:, :, : self.length]
@@ -153,12 +151,9 @@ class _Static:
     has the same shapes, which is what ``torch.compile`` (and CUDA graphs) need."""
 
     def __init__(self, layer, extra: int, slot: torch.Tensor):
-        b, h, length, d = layer.keys.shape
         self.slot = slot
-        self.keys = layer.keys.new_zeros((b, h, length + extra, d))
-        self.values = layer.values.new_zeros((b, h, length + extra, d))
-        self.keys[:, :, :length] = layer.keys
-        self.values[:, :, :length] = layer.values
+        # zeroed, not empty: masked slots get zero weight, and 0 x NaN garbage would still be NaN
+        self.keys, self.values = _with_room(layer.keys, extra), _with_room(layer.values, extra)
         layer.keys, layer.values = self.keys, self.values
         layer.update = self.update
 
@@ -279,17 +274,12 @@ def _chunked_forward(original):
     return forward
 
 
-def chunk_mlps(model) -> int:
-    """Route every decoder layer's ``mlp`` through :func:`_chunked_forward` (idempotent); returns
-    how many MLPs are routed. Outside a prefill plan with ``mlp_chunk`` set they run unchanged."""
-    count = 0
+def chunk_mlps(model) -> None:
+    """Route every decoder layer's ``mlp`` through :func:`_chunked_forward` (idempotent). Outside
+    a prefill plan with ``mlp_chunk`` set they run unchanged."""
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] != "mlp" or not isinstance(module, torch.nn.Module):
-            continue
-        if not hasattr(module.forward, "__wrapped__"):
+        if name.rsplit(".", 1)[-1] == "mlp" and not hasattr(module.forward, "__wrapped__"):
             module.forward = _chunked_forward(module.forward)
-        count += 1
-    return count
 
 
 def register() -> None:

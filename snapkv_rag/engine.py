@@ -415,13 +415,16 @@ class SnapKVLLM:
             self._compiled_step = torch.compile(self._model_step, mode=mode)
         return self._compiled_step
 
-    def _static_mask(self, slots: torch.Tensor) -> torch.Tensor:
-        """The 4-D mask of a fixed-size decode cache from its ``[B, S]`` boolean slot mask."""
+    def _static_mask(self, valid: torch.Tensor | None, batch: int, kept: int, extra: int) -> tuple[torch.Tensor, Any]:
+        """The ``[B, 1, 1, kept + extra]`` mask of a fixed-size decode cache, open on the ``kept``
+        slots (where ``valid``, if given), and the value that opens one more slot."""
+        slots = torch.zeros((batch, kept + extra), dtype=torch.bool, device=self.device)
+        slots[:, :kept] = True if valid is None else valid.bool()
         if self.attn_implementation == "eager":  # eager attention adds the mask to its scores
             blocked = torch.finfo(self.model.dtype).min
-            return torch.zeros(slots.shape, dtype=self.model.dtype, device=slots.device).masked_fill(
-                ~slots, blocked)[:, None, None, :]
-        return slots[:, None, None, :]
+            return torch.zeros(slots.shape, dtype=self.model.dtype, device=self.device).masked_fill(
+                ~slots, blocked)[:, None, None, :], 0.0
+        return slots[:, None, None, :], True
 
     def _sample(self, logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
         if temperature == 0:
@@ -507,8 +510,7 @@ class SnapKVLLM:
         if slot is None:
             attach.reserve(cache, max_new_tokens)
         else:
-            slots = torch.zeros((batch, kept_slots + max_new_tokens), dtype=torch.bool, device=self.device)
-            slots[:, :kept_slots] = True if valid is None else valid.bool()
+            static_mask, open_slot = self._static_mask(valid, batch, kept_slots, max_new_tokens)
         try:
             for step in range(max_new_tokens):
                 tokens = self._sample(logits, temperature, top_p, generator)
@@ -527,10 +529,9 @@ class SnapKVLLM:
                     break
                 start, recorded = time.perf_counter(), pre.plan.record_s
                 if slot is not None:
-                    slots[:, kept_slots + step] = True
+                    static_mask[..., kept_slots + step] = open_slot
                     slot.fill_(kept_slots + step)
-                    logits = self._forward(tokens[:, None], self._static_mask(slots), positions[:, None], cache,
-                                           compiled=True)
+                    logits = self._forward(tokens[:, None], static_mask, positions[:, None], cache, compiled=True)
                 else:
                     if valid is not None:
                         valid = torch.cat([valid, valid.new_ones((batch, 1))], dim=-1)
