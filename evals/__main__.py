@@ -4,7 +4,7 @@ prefill, write rows.jsonl (resumable), summary.md / summary.csv and plots.
 Examples (from the repository root)::
 
     python -m evals --smoke                       # ~1-2 min on 2 CPU cores; CI
-    python -m evals --full --out evals/results/full   # issue #4 item 7 grid (hours on CPU)
+    python -m evals --full --out evals/results/full   # the committed run's grid (hours on CPU)
     python -m evals --datasets nq --num-docs 10,20 --gold-positions first,last \\
         --methods snapkv,streaming --budgets 25%,512 --num-questions 50
     python -m evals --model Qwen/Qwen2.5-7B-Instruct --device cuda --dtype bfloat16 --full
@@ -40,14 +40,14 @@ def parser() -> argparse.ArgumentParser:
                     "share one prefill per prompt.",
         epilog="Presets set defaults that explicit options override. --smoke: nq, musique and kv, 1 question each, "
                "N=5, gold last, snapkv@128 and every other method at 25%% of the prompt, 8 new tokens "
-               "(3 prompts; about 1 minute on 2 idle CPU cores). --full: issue #4's grid: NQ 100 questions x N 5,10,20,30 x "
+               "(3 prompts; about 1 minute on 2 idle CPU cores). --full: the committed run's grid: NQ 100 questions x N 5,10,20,30 x "
                "gold first/middle/last and MuSiQue 100 x N 10,20, full + snapkv and streaming at 25%% and 50%%, "
                "32 new tokens: 1,400 prompts, about 4 hours on 2 CPU cores with the embedded model, minutes on "
                "a GPU.")
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--smoke", action="store_true", help="tiny end-to-end run of every dataset kind and method "
                         "(CI; under 3 minutes on 2 CPU cores)")
-    preset.add_argument("--full", action="store_true", help="the full grid of issue #4 item 7 (see below)")
+    preset.add_argument("--full", action="store_true", help="the full grid: NQ and MuSiQue at 100 questions (see below)")
     p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: the embedded "
                    "SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available)")
@@ -154,7 +154,10 @@ def main(argv: list[str] | None = None, engine=None) -> int:
     except ValueError as error:
         raise SystemExit(f"--methods/--budgets: {error}") from None
     instruction = args.instruction if args.instruction is not None else DEFAULT_INSTRUCTION
-    llm = engine or SnapKVLLM(args.model, device=args.device, dtype=args.dtype, instruction=instruction)
+    try:
+        llm = engine or SnapKVLLM(args.model, device=args.device, dtype=args.dtype, instruction=instruction)
+    except ValueError as error:  # an unknown model, device or dtype: one line, not a traceback
+        raise SystemExit(f"--model/--device/--dtype: {error}") from None
     llm.instruction = instruction
     if args.measure_sharing:
         from .sharing import measure

@@ -145,7 +145,8 @@ class SnapKVLLM:
     >>> result.text, result.citations, result.compression.ratio
 
     ``model`` is a folder, a ``.gguf`` file, a hub id, or an already loaded transformers model
-    (then pass ``tokenizer`` too). ``snapkv`` is the default compression (``SnapKVConfig()``;
+    (then pass ``tokenizer`` too; ``device``/``dtype``, if given, move it). ``device`` defaults to
+    CUDA when available; a device this torch cannot use is a ValueError. ``snapkv`` is the default compression (``SnapKVConfig()``;
     ``False`` or ``None`` for the full cache); every call may override it. ``prefill_chunk`` runs
     each layer's MLP over the prompt in slices of that many tokens (``None``: all at once), which
     bounds the prefill's activations on long prompts without changing what is computed.
@@ -179,6 +180,10 @@ class SnapKVLLM:
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("tokenizer: required when model is an already loaded model")
+            if device is not None:  # asked for explicitly: move the caller's model there
+                model = model.to(loading.check_device(device))
+            if dtype not in (None, "auto"):
+                model = model.to(loading.resolve_dtype(dtype, str(device or next(model.parameters()).device)))
             self.model, self.tokenizer = model.eval(), tokenizer
             self.model_name = getattr(model.config, "_name_or_path", None) or type(model).__name__
         else:

@@ -143,6 +143,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The asked device, or a ValueError naming it when it is not a device this torch can use."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: {device!r} is not a torch device (try 'cpu', 'cuda' or 'cuda:1')") from error
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} was asked but this torch ({torch.__version__}) sees no CUDA "
+                             "device; use device='cpu'")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r} was asked but only {torch.cuda.device_count()} CUDA device(s) "
+                             "are visible")
+    return parsed
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
@@ -160,7 +176,7 @@ def load(model: str | os.PathLike | None = None, *, device: str | None = None,
     """Load a causal LM and its tokenizer. ``model=None`` is the embedded default model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = device or default_device()
+    device = str(check_device(device)) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, device)
     kwargs = {"trust_remote_code": trust_remote_code}
     if model is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from snapkv_rag import ContextLengthError, ModelLoadError, PyramidKVConfig, SnapKVConfig, SnapKVLLM
 
@@ -53,10 +54,17 @@ def test_prompt_over_the_context_window_gives_count_and_limit(tokenizer):
      ValueError, "flash-attn"),
     ({"attn_implementation": "paged"}, ValueError, "attn_implementation"),
     ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+    ({"device": "gpu0"}, ValueError, "device: 'gpu0' is not a torch device"),
+    ({"device": "cuda:99"}, ValueError, "device: 'cuda:99' was asked"),
 ])
 def test_engine_options_are_checked(tiny_model, tokenizer, kwargs, error, words):
     with pytest.raises(error, match=words):
         SnapKVLLM(model=tiny_model, tokenizer=tokenizer, **kwargs)
+
+
+def test_unusable_device_is_refused_before_loading_weights():
+    with pytest.raises(ValueError, match="device: 'cuda:99' was asked"):
+        SnapKVLLM("/no/such/model", device="cuda:99")  # the device is checked before the path
 
 
 def test_unknown_model_path_is_named(tmp_path):
@@ -78,3 +86,9 @@ def test_inputs_are_not_modified(tiny_engine):
     result = tiny_engine.chat(messages, docs, max_new_tokens=3)
     assert ([dict(docs[0]), docs[1]], [dict(messages[0])]) == snapshot
     assert result.documents[0].id == "7" and result.documents[0].metadata == {"lang": "en"}
+
+
+def test_device_and_dtype_given_with_a_loaded_model_are_applied(tokenizer):
+    engine = SnapKVLLM(model=tiny_llama(len(tokenizer)), tokenizer=tokenizer, device="cpu", dtype="bfloat16")
+    assert engine.device == torch.device("cpu") and engine.model.dtype == torch.bfloat16
+    still_works(engine)

@@ -107,3 +107,29 @@ def test_cli_end_to_end_writes_tables_and_plots(tmp_path, tiny):
 def test_bad_options_are_clear_errors(argv, message, tiny, tmp_path):
     with pytest.raises(SystemExit, match=message):
         main([*argv, "--out", str(tmp_path)], engine=tiny)
+
+
+def test_model_folder_and_device_from_the_command_line(tmp_path, tiny):
+    """`--model PATH --device cpu` loads the saved model and gives the rows the in-memory engine gives."""
+    folder = tmp_path / "model"
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    argv = ["--datasets", "kv", "--num-docs", "5", "--gold-positions", "first,last", "--num-questions", "1",
+            "--methods", "full,snapkv@48", "--max-new-tokens", "4", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "engine")], engine=tiny) == 0
+    assert main([*argv, "--model", str(folder), "--device", "cpu", "--out", str(tmp_path / "folder")]) == 0
+    settings = json.loads((tmp_path / "folder" / "run.json").read_text())
+    assert settings["model"] == str(folder) and settings["device"] == "cpu"
+    stable = [_stable(tmp_path / name) for name in ("engine", "folder")]
+    assert len(stable[0]) == 4 and stable[0] == stable[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "no/such-model-here", "--device", "cpu"], "--model/--device/--dtype: model: could not load"),
+    (["--device", "cuda:99"], "--model/--device/--dtype: device: 'cuda:99'"),
+    (["--dtype", "float13"], "--model/--device/--dtype: dtype: unknown"),
+])
+def test_unusable_model_device_or_dtype_is_one_clear_line(argv, message, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id is looked up in the local cache only
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(")):
+        main([*argv, "--datasets", "kv", "--num-docs", "5", "--num-questions", "1", "--out", str(tmp_path)])
