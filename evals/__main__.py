@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
                "N=5, gold last, snapkv@128 and every other method at 25%% of the prompt, 8 new tokens "
                "(3 prompts; about 1 minute on 2 idle CPU cores). --full: the committed run's grid: NQ 100 questions x N 5,10,20,30 x "
                "gold first/middle/last and MuSiQue 100 x N 10,20, full + snapkv and streaming at 25%% and 50%%, "
-               "32 new tokens: 1,400 prompts, about 4 hours on 2 CPU cores with the embedded model, minutes on "
+               "32 new tokens: 1,400 prompts, about 6 hours on 2 CPU cores with the embedded model, minutes on "
                "a GPU.")
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--smoke", action="store_true", help="tiny end-to-end run of every dataset kind and method "
