@@ -16,13 +16,13 @@ from typing import Iterable, Sequence
 import numpy as np
 
 METRICS = {  # column -> (label, bootstrap CI?)
-    "f1": ("answer F1", True), "subspan_em": ("subspan EM", True), "em": ("EM", True),
+    "f1": ("answer F1", True), "f1_minus_full": ("F1 - full F1 (paired)", True), "subspan_em": ("subspan EM", True), "em": ("EM", True),
     "cit_precision": ("cit P", True), "cit_recall": ("cit R", True), "cit_f1": ("cit F1", True),
     "identical_to_full": ("same as full", True), "f1_vs_full": ("F1 vs full", True), "hit_rate": ("hit rate", True),
     "kept_tokens": ("kept tok", False), "kv_bytes_kept": ("KV MB", False), "prefill_s": ("prefill s", False),
     "decode_ms_per_token": ("ms/tok", False), "prompt_tokens": ("prompt tok", False),
 }
-TABLE_COLUMNS = ("f1", "subspan_em", "cit_f1", "identical_to_full", "f1_vs_full", "hit_rate", "kept_tokens",
+TABLE_COLUMNS = ("f1", "f1_minus_full", "subspan_em", "cit_f1", "identical_to_full", "f1_vs_full", "hit_rate", "kept_tokens",
                  "kv_bytes_kept", "prefill_s", "decode_ms_per_token")
 _POSITION_ORDER = {"first": 0, "middle": 1, "last": 2, "shuffled": 3}
 
@@ -45,6 +45,16 @@ def bootstrap_ci(values: Sequence[float], resamples: int = 1000, seed: int = 0) 
     rng = np.random.default_rng(seed)
     means = data[rng.integers(0, len(data), size=(resamples, len(data)))].mean(axis=1)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def add_paired_deltas(rows: Sequence[dict]) -> None:
+    """Give each row ``f1_minus_full``: its answer F1 minus the full cache's on the same prompt.
+    Every method runs on the same prompts, so this difference's interval is the paired one, much
+    narrower than comparing two groups' means; prompts without a full-cache row get none."""
+    full = {r["example_id"]: r["f1"] for r in rows if r["method"] == "full"}
+    for r in rows:
+        if r["example_id"] in full:
+            r["f1_minus_full"] = r["f1"] - full[r["example_id"]]
 
 
 def method_order(rows: Iterable[dict]) -> list[str]:
@@ -137,6 +147,7 @@ def collect_rows(out: Path) -> list[dict]:
 def write_all(out: Path) -> None:
     """summary.md, summary.csv and plots/ for the rows in ``out`` (or its subfolders)."""
     rows = collect_rows(out)
+    add_paired_deltas(rows)
     cells = aggregate(rows, ("dataset", "num_docs", "gold_position", "method"))
     by_n = aggregate(rows, ("dataset", "num_docs", "method"))
     by_position = aggregate(rows, ("dataset", "gold_position", "method"))
@@ -147,7 +158,8 @@ def write_all(out: Path) -> None:
         "# Summary", "",
         f"{len(rows)} rows: {len({r['example_id'] for r in rows})} prompts from {len(questions)} questions, "
         f"methods {', '.join(method_order(rows))}. Means with 95% bootstrap intervals. Answer metrics are "
-        "against the gold answers (citation markers removed); 'same as full', 'F1 vs full' and 'hit rate' "
+        "against the gold answers (citation markers removed); 'F1 - full F1' is the paired difference on "
+        "the same prompts (an interval that excludes 0 is a measurable change); 'same as full', 'F1 vs full' and 'hit rate' "
         "measure fidelity to the full cache's greedy answer and decode attention. KV MB is the kept prompt "
         "cache per prompt; budget is tokens kept per layer.", "",
         "## By dataset and method (all N and positions)", "", markdown_table(overall, ("dataset", "method")), "",

@@ -91,7 +91,8 @@ def test_cli_end_to_end_writes_tables_and_plots(tmp_path, tiny):
     cell_budgets = {(r["dataset"], r["gold_position"], r["budget"]) for r in rows if r["method"] == "snapkv@25%"}
     assert len(cell_budgets) == 5  # one integer budget per cell
     assert (out / "command.txt").read_text().startswith("python -m evals --datasets nq,musique,kv")
-    assert "| nq | full |" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| nq | full |" in summary and "F1 - full F1 (paired)" in summary
     assert (out / "summary.csv").read_text().splitlines()[0].startswith("dataset,num_docs,gold_position,method,n")
     for name in ("answer_f1_vs_n", "citation_f1_vs_n", "accuracy_vs_position", "hit_rate_vs_n"):
         assert (out / "plots" / f"{name}.png").stat().st_size > 1000

@@ -1,0 +1,25 @@
+"""The summary's paired difference against the full cache."""
+
+from __future__ import annotations
+
+from evals.report import add_paired_deltas, aggregate
+
+
+def _row(example: str, method: str, f1: float) -> dict:
+    return {"example_id": example, "dataset": "nq", "num_docs": 5, "gold_position": "first", "method": method,
+            "f1": f1}
+
+
+def test_paired_difference_is_taken_prompt_by_prompt():
+    full = [0.0, 1.0, 0.5, 0.2, 0.9, 0.4]
+    rows = [_row(f"e{i}", "full", f) for i, f in enumerate(full)]
+    rows += [_row(f"e{i}", "snapkv@25%", f - 0.1) for i, f in enumerate(full)]  # always 0.1 lower
+    rows += [_row("orphan", "snapkv@25%", 1.0)]  # no full-cache row: no difference
+    add_paired_deltas(rows)
+    assert "f1_minus_full" not in rows[-1]
+    by_method = {r["method"]: r for r in aggregate(rows[:-1], ("dataset", "method"))}
+    snap, ref = by_method["snapkv@25%"], by_method["full"]
+    assert abs(snap["f1_minus_full"] + 0.1) < 1e-9 and ref["f1_minus_full"] == 0.0
+    # the paired interval is a point (the difference never varies) while the two means' own intervals overlap
+    assert abs(snap["f1_minus_full_lo"] + 0.1) < 1e-9 and abs(snap["f1_minus_full_hi"] + 0.1) < 1e-9
+    assert snap["f1_hi"] > ref["f1_lo"]
