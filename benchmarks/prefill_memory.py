@@ -52,8 +52,8 @@ def main() -> None:
         for budget in (0, args.budget):
             row = {"size": size, "method": f"snapkv@{budget}" if budget else "full"}
             for label, chunk in (("whole", 0), ("sliced", args.chunk)):
-                row[label] = peak_memory.probe(args.model, size, budget, args.max_new_tokens, args.threads, chunk or None,
-                                               env=MALLOC)
+                row[label] = peak_memory.probe(args.model, size, budget, args.max_new_tokens, args.threads,
+                                               chunk or None, env=MALLOC)
             print(f"{size} {row['method']}: whole {row['whole']['peak_rss_delta_mib']:.0f} MiB, "
                   f"sliced {row['sliced']['peak_rss_delta_mib']:.0f} MiB", flush=True)
             rows.append(row)

@@ -39,15 +39,17 @@ def parser() -> argparse.ArgumentParser:
                     "as the number of documents and the gold position vary, for several KV-cache methods that "
                     "share one prefill per prompt.",
         epilog="Presets set defaults that explicit options override. --smoke: nq, musique and kv, 1 question each, "
-               "N=5, gold last, snapkv@128 and every other method at 25%% of the prompt, 8 new tokens "
-               "(3 prompts; about 1 minute on 2 idle CPU cores). --full: the committed run's grid: NQ 100 questions x N 5,10,20,30 x "
-               "gold first/middle/last and MuSiQue 100 x N 10,20, full + snapkv and streaming at 25%% and 50%%, "
+               "N=5, gold last, snapkv@128 and every other method at 25% of the prompt, 8 new tokens "
+               "(3 prompts; about 1 minute on 2 idle CPU cores). --full: the committed run's grid: NQ 100 "
+               "questions x N 5,10,20,30 x gold first/middle/last and MuSiQue 100 x N 10,20, full + snapkv and "
+               "streaming at 25% and 50%, "
                "32 new tokens: 1,400 prompts, about 6 hours on 2 CPU cores with the embedded model, minutes on "
                "a GPU.")
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--smoke", action="store_true", help="tiny end-to-end run of every dataset kind and method "
                         "(CI; under 3 minutes on 2 CPU cores)")
-    preset.add_argument("--full", action="store_true", help="the full grid: NQ and MuSiQue at 100 questions (see below)")
+    preset.add_argument("--full", action="store_true", help="the full grid: NQ and MuSiQue at 100 questions "
+                        "(see below)")
     p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: the embedded "
                    "SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available)")

@@ -16,14 +16,15 @@ from typing import Iterable, Sequence
 import numpy as np
 
 METRICS = {  # column -> (label, bootstrap CI?)
-    "f1": ("answer F1", True), "f1_minus_full": ("F1 - full F1 (paired)", True), "subspan_em": ("subspan EM", True), "em": ("EM", True),
+    "f1": ("answer F1", True), "f1_minus_full": ("F1 - full F1 (paired)", True),
+    "subspan_em": ("subspan EM", True), "em": ("EM", True),
     "cit_precision": ("cit P", True), "cit_recall": ("cit R", True), "cit_f1": ("cit F1", True),
     "identical_to_full": ("same as full", True), "f1_vs_full": ("F1 vs full", True), "hit_rate": ("hit rate", True),
     "kept_tokens": ("kept tok", False), "kv_bytes_kept": ("KV MB", False), "prefill_s": ("prefill s", False),
     "decode_ms_per_token": ("ms/tok", False), "prompt_tokens": ("prompt tok", False),
 }
-TABLE_COLUMNS = ("f1", "f1_minus_full", "subspan_em", "cit_f1", "identical_to_full", "f1_vs_full", "hit_rate", "kept_tokens",
-                 "kv_bytes_kept", "prefill_s", "decode_ms_per_token")
+TABLE_COLUMNS = ("f1", "f1_minus_full", "subspan_em", "cit_f1", "identical_to_full", "f1_vs_full", "hit_rate",
+                 "kept_tokens", "kv_bytes_kept", "prefill_s", "decode_ms_per_token")
 _POSITION_ORDER = {"first": 0, "middle": 1, "last": 2, "shuffled": 3}
 
 
@@ -159,9 +160,9 @@ def write_all(out: Path) -> None:
         f"{len(rows)} rows: {len({r['example_id'] for r in rows})} prompts from {len(questions)} questions, "
         f"methods {', '.join(method_order(rows))}. Means with 95% bootstrap intervals. Answer metrics are "
         "against the gold answers (citation markers removed); 'F1 - full F1' is the paired difference on "
-        "the same prompts (an interval that excludes 0 is a measurable change); 'same as full', 'F1 vs full' and 'hit rate' "
-        "measure fidelity to the full cache's greedy answer and decode attention. KV MB is the kept prompt "
-        "cache per prompt; budget is tokens kept per layer.", "",
+        "the same prompts (an interval that excludes 0 is a measurable change); 'same as full', 'F1 vs full' "
+        "and 'hit rate' measure fidelity to the full cache's greedy answer and decode attention. KV MB is "
+        "the kept prompt cache per prompt; budget is tokens kept per layer.", "",
         "## By dataset and method (all N and positions)", "", markdown_table(overall, ("dataset", "method")), "",
         "## By dataset, N and method (all gold positions)", "", markdown_table(by_n, ("dataset", "num_docs", "method")),
         "", "## By dataset, gold position and method (all N)", "",

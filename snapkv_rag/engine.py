@@ -146,10 +146,11 @@ class SnapKVLLM:
 
     ``model`` is a folder, a ``.gguf`` file, a hub id, or an already loaded transformers model
     (then pass ``tokenizer`` too; ``device``/``dtype``, if given, move it). ``device`` defaults to
-    CUDA when available; a device this torch cannot use is a ValueError. ``snapkv`` is the default compression (``SnapKVConfig()``;
-    ``False`` or ``None`` for the full cache); every call may override it. ``prefill_chunk`` runs
-    each layer's MLP over the prompt in slices of that many tokens (``None``: all at once), which
-    bounds the prefill's activations on long prompts without changing what is computed.
+    CUDA when available; a device this torch cannot use is a ValueError. ``snapkv`` is the default
+    compression (``SnapKVConfig()``; ``False`` or ``None`` for the full cache); every call may
+    override it. ``prefill_chunk`` runs each layer's MLP over the prompt in slices of that many
+    tokens (``None``: all at once), which bounds the prefill's activations on long prompts without
+    changing what is computed.
     ``compile=True`` (or a ``torch.compile`` mode name) decodes from fixed-size cache buffers with
     a compiled step: the first call of each shape compiles (tens of seconds), later ones run
     with less per-token overhead; PyramidKV's unequal layers decode uncompiled.
@@ -183,7 +184,7 @@ class SnapKVLLM:
             if device is not None:  # asked for explicitly: move the caller's model there
                 model = model.to(loading.check_device(device))
             if dtype not in (None, "auto"):
-                model = model.to(loading.resolve_dtype(dtype, str(device or next(model.parameters()).device)))
+                model = model.to(loading.resolve_dtype(dtype, str(next(model.parameters()).device)))
             self.model, self.tokenizer = model.eval(), tokenizer
             self.model_name = getattr(model.config, "_name_or_path", None) or type(model).__name__
         else:
