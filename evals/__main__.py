@@ -34,7 +34,7 @@ DEFAULTS = {"datasets": "nq", "num_docs": ["5,10,20"], "gold_positions": "first,
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m evals", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m evals",
         description="RAG accuracy evals for snapkv-rag: answer F1, citation F1 and fidelity to the full cache "
                     "as the number of documents and the gold position vary, for several KV-cache methods that "
                     "share one prefill per prompt.",
@@ -42,9 +42,8 @@ def parser() -> argparse.ArgumentParser:
                "N=5, gold last, snapkv@128 and every other method at 25% of the prompt, 8 new tokens "
                "(3 prompts; about 1 minute on 2 idle CPU cores). --full: the committed run's grid: NQ 100 "
                "questions x N 5,10,20,30 x gold first/middle/last and MuSiQue 100 x N 10,20, full + snapkv and "
-               "streaming at 25% and 50%, "
-               "32 new tokens: 1,400 prompts, about 6 hours on 2 CPU cores with the embedded model, minutes on "
-               "a GPU.")
+               "streaming at 25% and 50%, 32 new tokens: 1,400 prompts, about 6 hours on 2 CPU cores with the "
+               "embedded model, minutes on a GPU.")
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--smoke", action="store_true", help="tiny end-to-end run of every dataset kind and method "
                         "(CI; under 3 minutes on 2 CPU cores)")
