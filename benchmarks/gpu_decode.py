@@ -1,192 +1,61 @@
 """GPU decode speed and memory against the bandwidth floor: full cache vs SnapKV, random weights.
 
-Builds Llama-3-8B-shaped (GQA, 8 KV heads) and Llama-2-7B-shaped (MHA, as the paper's LWM-7B)
-models with random bf16 weights directly on the device (no weight files), wraps each in
-``SnapKVLLM`` and, for prompts of 16K-128K tokens at batch 1 and 2, times decoding with the full
-cache and with SnapKV through the public ``generate_batch``. Every figure is set against the
-bandwidth floor of the same run: (weight bytes + KV bytes read per decode step) / device copy
-bandwidth, measured first. Also: peak memory per cell, and the longest prompt that fits for each
-method (a linear fit of peak memory over prompt length, checked by a real run where the time
-budget allows).
+Builds Llama-2-7B-shaped (MHA, as the paper's LWM-7B) and then Llama-3-8B-shaped (GQA, 8 KV
+heads) models with random bf16 weights on the device (no weight files) and, for prompts of
+16K-64K tokens at batch 1 and 2, times decoding through the public ``generate_batch`` with the
+full cache and with SnapKV@1024, first through the plain decode loop, then through the compiled
+fixed-size-cache step (``compile="reduce-overhead"``: CUDA graphs) for both. Each figure stands
+beside the bandwidth floor of the same run ((weight bytes + KV bytes read per decode step) /
+device copy bandwidth), and each speedup beside its ceiling (full floor / SnapKV floor: the most
+the hardware allows) and the fraction of it reached. Then the longest prompt each method fits.
 
-Prompts are documents of words from a word-level tokenizer built here (one word = one token, ids
-far below either vocabulary), so a prompt's length is exact and any length is cheap to make. The
-end-of-sequence rows of the LM head are zeroed so that random weights never stop early.
+The run is bounded by construction: the clock starts with the process; a cell whose predicted
+time (FLOPs at the measured rate) or memory does not fit what is left is skipped, with the
+prediction recorded; results are rewritten atomically after every cell, an error in one cell is
+recorded and the run goes on, and a watchdog ends the process shortly after the deadline.
 
-    python benchmarks/gpu_decode.py results/gpu-h200            # the H200 run, < 8 minutes
-    python benchmarks/gpu_decode.py --tiny --device cpu OUT_DIR  # the same code, tiny, on CPU
+    PYTHONPATH=. python benchmarks/gpu_decode.py OUT_DIR                  # the H200 run, ~5 min
+    PYTHONPATH=. python benchmarks/gpu_decode.py --tiny --device cpu OUT  # the same code, tiny, on CPU
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import platform
-import random
-import sys
 import time
-from pathlib import Path
 
-import torch
+STARTED = time.monotonic()  # before the heavy imports: the time budget counts them
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # a copied tree works without installing the package
 
-MODELS = {
-    "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                  "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0},
+import torch  # noqa: E402
+
+from gpu_support import (CostModel, Device, ResultFile, Watchdog, floor_ms, kv_bytes_per_token,  # noqa: E402
+                         random_prompt, weight_bytes_read, word_tokenizer)
+
+MODELS = {  # the MHA model first: the paper's claims are about it, and it must not be what gets cut
     "llama2-7b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
                   "intermediate_size": 11008, "vocab_size": 32000, "rope_theta": 10000.0},
+    "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0},
 }
 TINY_MODELS = {
-    "tiny-gqa": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                 "intermediate_size": 128, "vocab_size": 4096, "rope_theta": 10000.0},
     "tiny-mha": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
                  "intermediate_size": 128, "vocab_size": 4096, "rope_theta": 10000.0},
+    "tiny-gqa": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 128, "vocab_size": 4096, "rope_theta": 10000.0},
 }
-SPECIALS = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+METHODS = ("full", "snapkv", "full_compiled", "snapkv_compiled")
+WARM_STEPS = 3  # decode steps left out of the steady-state figure (first use, CUDA-graph capture)
 
 
-# ---------------------------------------------------------------- prompts
-def word_tokenizer(words: int = 2000):
-    """A word-level tokenizer over the most frequent words of the benchmark passages."""
-    from collections import Counter
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from rag_prompts import records
-
-    counts = Counter(w for r in records() for w in (r["text"] + " " + r["question"]).split() if w.isalpha())
-    vocab = {token: i for i, token in enumerate(SPECIALS)}
-    for word, _ in counts.most_common(words):
-        vocab.setdefault(word, len(vocab))
-    for token in ("[", "]", ":", "?", "Documents", "Question", "Title") + tuple(str(n) for n in range(1000)):
-        vocab.setdefault(token, len(vocab))
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                  pre_tokenizers.Punctuation(), pre_tokenizers.Digits(True)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
-                                        bos_token="<|im_start|>", eos_token="<|im_end|>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def random_prompt(llm, target: int, seed: int = 0) -> tuple[str, list[str]]:
-    """A question over documents of random words whose rendered prompt is exactly ``target`` tokens."""
-    words = [w for w in llm.tokenizer.get_vocab() if w.isalpha() and w not in SPECIALS]
-    rng = random.Random(seed)
-    question = "what is the name of the " + " ".join(rng.choices(words, k=6)) + " ?"
-
-    def length(docs: list[str]) -> int:
-        return len(rag_ids(llm, question, docs))
-
-    doc_words = 500
-    docs: list[str] = []
-    base = length(["x"])
-    per_doc = length(["x", "x"]) - base  # the cost of one more (one-word) document
-    while base + len(docs) * (doc_words + per_doc) < target - doc_words - per_doc:
-        docs.append(" ".join(rng.choices(words, k=doc_words)))
-    short = length(docs + ["x"])
-    docs.append(" ".join(rng.choices(words, k=max(1, target - short + 1))))
-    got = length(docs)
-    if got != target:
-        raise RuntimeError(f"prompt builder: wanted {target} tokens, got {got}")
-    return question, docs
-
-
-def rag_ids(llm, question: str, docs: list[str]) -> list[int]:
-    from snapkv_rag.prompts import rag_user_message, to_documents
-
-    text = llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": rag_user_message(question, to_documents(docs), llm.instruction)}],
-        add_generation_prompt=True, tokenize=False)
-    return llm.tokenizer(text, add_special_tokens=False).input_ids
-
-
-# ---------------------------------------------------------------- device
-class Device:
-    """Timing, peak memory and capacity on CUDA or (for the tiny test) the CPU."""
-
-    def __init__(self, name: str):
-        self.device = torch.device(name)
-        self.cuda = self.device.type == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def capacity_bytes(self) -> int:
-        if self.cuda:
-            return torch.cuda.get_device_properties(self.device).total_memory
-        return _meminfo_kib("MemAvailable") * 1024
-
-    def reset_peak(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            try:
-                Path("/proc/self/clear_refs").write_text("5")
-            except OSError:
-                pass
-
-    def peak_bytes(self) -> int:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated(self.device)
-        return _status_kib("VmHWM") * 1024
-
-    def name(self) -> str:
-        return torch.cuda.get_device_name(self.device) if self.cuda else (platform.processor() or "cpu")
-
-    def copy_bandwidth(self, megabytes: int) -> float:
-        """Bytes per second of a device-to-device copy (each byte read once and written once)."""
-        n = megabytes * 2**20 // 2
-        src = torch.empty(n, dtype=torch.bfloat16, device=self.device).fill_(1)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        repeats = 10
-        if self.cuda:
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.sync()
-            start.record()
-            for _ in range(repeats):
-                dst.copy_(src)
-            stop.record()
-            self.sync()
-            seconds = start.elapsed_time(stop) / 1000
-        else:
-            begin = time.perf_counter()
-            for _ in range(repeats):
-                dst.copy_(src)
-            seconds = time.perf_counter() - begin
-        del src, dst
-        return 2 * n * 2 * repeats / seconds
-
-
-def _proc_kib(path: str, field: str) -> int:
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def _meminfo_kib(field: str) -> int:
-    return _proc_kib("/proc/meminfo", field)
-
-
-def _status_kib(field: str) -> int:
-    return _proc_kib("/proc/self/status", field)
-
-
-# ---------------------------------------------------------------- model
-def build_llm(name: str, shape: dict, device: Device, dtype: torch.dtype, tokenizer):
-    """A random-weight Llama of ``shape`` made on the device, wrapped as a SnapKVLLM."""
+def build_llm(shape: dict, device: Device, dtype: torch.dtype, tokenizer, compile_mode):
+    """A random-weight Llama of ``shape`` on the device, wrapped as a SnapKVLLM (plain or compiled)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from snapkv_rag import SnapKVLLM
@@ -199,35 +68,21 @@ def build_llm(name: str, shape: dict, device: Device, dtype: torch.dtype, tokeni
     torch.manual_seed(0)
     with device.device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    with torch.no_grad():  # random weights must not stop: the EOS logit is 0, the largest of 100K+ is not
+    with torch.no_grad():  # random weights must not stop: the EOS logit is 0, the largest of 30K+ is not
         model.lm_head.weight[tokenizer.eos_token_id].zero_()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.config._name_or_path = name
-    return SnapKVLLM(model=model, tokenizer=tokenizer, snapkv=False)
+    plain = SnapKVLLM(model=model, tokenizer=tokenizer, snapkv=False)
+    compiled = None if compile_mode is None else SnapKVLLM(model=model, tokenizer=tokenizer, snapkv=False,
+                                                           compile=compile_mode)
+    return plain, compiled
 
 
-def weight_bytes_read(model) -> int:
-    """Bytes of weights one decode step reads: every parameter but the input embedding (a row
-    lookup), unless the LM head shares it."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.get_input_embeddings().weight
-    if model.get_output_embeddings().weight.data_ptr() != embed.data_ptr():
-        total -= embed.numel() * embed.element_size()
-    return total
-
-
-def kv_bytes_per_token(model) -> int:
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
-
-
-# ---------------------------------------------------------------- one cell
-def run_cell(llm, device: Device, size: int, batch: int, budget: int | None, steps: int) -> dict:
-    """One (prompt size, batch, method): decode ms/token, prefill time, peak memory."""
+def run_cell(llm, device: Device, prompt: tuple[str, list[str]], batch: int, budget: int | None,
+             steps: int) -> dict:
+    """One (prompt, batch, method): steady decode ms/token, prefill time, peak memory."""
     from snapkv_rag import GenerationOutOfMemoryError, SnapKVConfig
 
-    question, docs = random_prompt(llm, size)
+    question, docs = prompt
     config = SnapKVConfig(max_capacity_prompt=budget) if budget else False
     device.reset_peak()
     base = device.peak_bytes()
@@ -238,177 +93,187 @@ def run_cell(llm, device: Device, size: int, batch: int, budget: int | None, ste
     except (torch.OutOfMemoryError, GenerationOutOfMemoryError) as error:
         return {"status": "OOM", "error": str(error).splitlines()[0], "wall_s": time.perf_counter() - started}
     finally:
-        gc.collect()
-        if device.cuda:
-            torch.cuda.empty_cache()
+        device.clean()
     result = results[0]
-    peak = device.peak_bytes()
+    step_ms = result.timings.decode_step_ms
+    steady = step_ms[WARM_STEPS:] or step_ms
     return {"status": "ok", "prompt_tokens": result.usage.prompt_tokens,
             "completion_tokens": result.usage.completion_tokens,
-            "decode_ms_per_token": result.timings.decode_ms_per_token, "prefill_s": result.timings.prefill_s,
+            "decode_ms_per_token": statistics.median(steady), "decode_ms_first_steps": step_ms[:WARM_STEPS],
+            "decode_ms_mean_all_steps": result.timings.decode_ms_per_token, "prefill_s": result.timings.prefill_s,
             "selection_ms": result.compression.selection_ms, "kept_tokens_max": max(result.compression.kept_tokens),
-            "peak_bytes": peak, "peak_above_start_bytes": peak - base if device.cuda else peak - base,
+            "peak_bytes": device.peak_bytes(), "peak_above_start_bytes": device.peak_bytes() - base,
             "wall_s": time.perf_counter() - started}
 
 
-def floor_ms(weights: int, kv_per_token: int, batch: int, cached: float, bandwidth: float) -> tuple[int, float]:
-    """Bytes one decode step must read and the time that takes at the copy bandwidth."""
-    read = weights + batch * kv_per_token * cached
-    return int(read), 1000 * read / bandwidth
+class Run:
+    """The grid for one model, cell by cell, inside the time and memory left."""
 
+    def __init__(self, args, device: Device, results: ResultFile, watchdog: Watchdog, deadline: float,
+                 bandwidth: float, tokenizer):
+        self.args, self.device, self.results, self.watchdog = args, device, results, watchdog
+        self.deadline, self.bandwidth, self.tokenizer = deadline, bandwidth, tokenizer
+        self.prompts: dict[int, tuple[str, list[str]]] = {}
 
-# ---------------------------------------------------------------- longest prompt
-def longest_fit(llm, device: Device, points: list[tuple[int, int]], budget: int | None, capacity: int,
-                time_left: float, last_prefill: tuple[int, float] | None, steps: int) -> dict:
-    """Estimate the longest batch-1 prompt from a linear fit of peak memory over length, then
-    check it with a real run where the prefill (extrapolated as quadratic in length) fits in time."""
-    if len(points) < 2:
-        return {"status": "not enough points"}
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    intercept = my - slope * mx
-    if slope <= 0:
-        return {"status": "no growth with length", "points": points}
-    estimate = int((0.97 * capacity - intercept) / slope) // 1024 * 1024
-    out = {"status": "estimated", "estimate_tokens": estimate, "bytes_per_token": slope,
-           "fixed_bytes": intercept, "points": points}
-    if last_prefill is None:
-        return out
-    length, seconds = last_prefill
-    for attempt in (estimate, int(estimate * 0.9) // 1024 * 1024):
-        predicted = seconds * (attempt / length) ** 2 * 1.5 + 10
-        if predicted > time_left:
-            out["check"] = f"skipped: a {attempt}-token prefill would take ~{predicted:.0f} s, {time_left:.0f} s left"
-            return out
-        started = time.perf_counter()
-        cell = run_cell(llm, device, attempt, 1, budget, min(steps, 4))
-        time_left -= time.perf_counter() - started
-        if cell["status"] == "ok":
-            out.update(status="verified", verified_tokens=attempt, check_peak_bytes=cell["peak_bytes"])
-            return out
-        out["check"] = f"OOM at {attempt} tokens"
-    return out
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
 
+    def prompt(self, llm, size: int):
+        if size not in self.prompts:
+            self.prompts[size] = random_prompt(self.tokenizer, llm.instruction, size)
+        return self.prompts[size]
 
-# ---------------------------------------------------------------- main
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", type=Path, help="folder to write gpu_decode.json into")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="tiny configs and prompts: a test of the code path")
-    parser.add_argument("--models", nargs="+", default=None, help=f"subset of {list(MODELS)} (or tiny ones)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="prompt lengths (default 16K 32K 64K 128K)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--budget", type=int, default=None, help="SnapKV max_capacity_prompt (default 1024)")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per cell")
-    parser.add_argument("--time-budget-s", type=float, default=450.0,
-                        help="stop starting new cells after this long (default 450: the run must end in 8 min)")
-    parser.add_argument("--no-longest", action="store_true", help="skip the longest-prompt estimate and check")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="skip the third method, SnapKV decoding through the compiled fixed-size-cache step")
-    args = parser.parse_args()
-    from snapkv_rag import SnapKVLLM
+    def attempt(self, what: str, predicted_s: float, action) -> dict:
+        """Run ``action`` if ``predicted_s`` fits the time left; its errors become the record."""
+        if predicted_s > self.left():
+            return {"status": "skipped (time budget)",
+                    "reason": f"predicted {predicted_s:.0f} s, {max(self.left(), 0):.0f} s left"}
+        self.watchdog.doing = what
+        try:
+            return action()
+        except Exception as error:  # one cell's failure must not lose the others
+            self.device.clean()
+            return {"status": "error", "error": f"{type(error).__name__}: {error}"[:500],
+                    "where": traceback.format_exc().splitlines()[-3:]}
 
-    models = TINY_MODELS if args.tiny else MODELS
-    names = args.models or list(models)
-    sizes = args.sizes or ([256, 512] if args.tiny else [16384, 32768, 65536, 131072])
-    budget = args.budget or (64 if args.tiny else 1024)
-    device = Device(args.device)
-    dtype = torch.float32 if (args.tiny and not device.cuda) else torch.bfloat16
-    started = time.perf_counter()
-
-    def time_left() -> float:
-        return args.time_budget_s - (time.perf_counter() - started)
-
-    bandwidth = device.copy_bandwidth(64 if args.tiny else 4096)
-    print(f"{device.name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
-    tokenizer = word_tokenizer()
-    report = {"benchmark": "gpu_decode", "device": device.name(), "dtype": str(dtype).removeprefix("torch."),
-              "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth, "budget": budget,
-              "steps": args.steps, "sizes": sizes, "batches": args.batches, "tiny": args.tiny,
-              "command": "python benchmarks/gpu_decode.py " + " ".join(sys.argv[1:]), "models": {}}
-    for name in names:
-        if time_left() <= 0:
-            report["models"][name] = {"skipped": "time budget"}
-            continue
-        llm = build_llm(name, models[name], device, dtype, tokenizer)
-        compiled = None if args.no_compile else SnapKVLLM(model=llm.model, tokenizer=tokenizer, snapkv=False,
-                                                          compile=True)
-        warmed: set[int] = set()
-        methods = [("full", None, llm), ("snapkv", budget, llm)] + (
-            [] if compiled is None else [("snapkv_compiled", budget, compiled)])
-        weights, per_token = weight_bytes_read(llm.model), kv_bytes_per_token(llm.model)
-        capacity = device.capacity_bytes()
-        entry = {"shape": models[name], "weight_bytes_read_per_step": weights, "kv_bytes_per_token": per_token,
-                 "capacity_bytes": capacity, "cells": []}
-        report["models"][name] = entry
-        print(f"{name}: {weights / 2**30:.1f} GiB of weights read per step, {per_token / 2**10:.0f} KiB KV/token",
-              flush=True)
-        memory_points: dict[str, list[tuple[int, int]]] = {"full": [], "snapkv": []}
-        last_prefill: dict[str, tuple[int, float]] = {}
-        for size in sizes:
-            for batch in args.batches:
-                cell = {"size": size, "batch": batch}
-                for method, method_budget, engine in methods:
-                    cached = (size if method == "full" else min(size, budget)) + args.steps / 2
-                    read, floor = floor_ms(weights, per_token, batch, cached, bandwidth)
-                    needs = weights + batch * per_token * (size + args.steps)
-                    if time_left() <= 0:
-                        outcome = {"status": "skipped (time budget)"}
-                    elif method == "full" and needs > capacity:
-                        outcome = {"status": "OOM", "error": f"predicted: the full cache alone needs "
-                                                             f"{needs / 2**30:.0f} GiB"}
-                    else:
-                        if engine is compiled and batch not in warmed:  # compiles: untimed
-                            started_compile = time.perf_counter()
-                            run_cell(engine, device, 2 * budget, batch, budget, args.steps)
-                            warmed.add(batch)
-                            entry.setdefault("compile_s", {})[batch] = time.perf_counter() - started_compile
-                        outcome = run_cell(engine, device, size, batch, method_budget, args.steps)
-                    outcome.update(floor_bytes_read=read, floor_ms_per_token=floor)
-                    if outcome["status"] == "ok":
-                        outcome["ratio_to_floor"] = outcome["decode_ms_per_token"] / floor
-                        if batch == 1 and method in memory_points:
-                            memory_points[method].append((size, outcome["peak_bytes"]))
-                            last_prefill[method] = (size, outcome["prefill_s"])
-                    cell[method] = outcome
-                if cell["full"]["status"] == "ok" and cell["snapkv"]["status"] == "ok":
-                    cell["speedup"] = cell["full"]["decode_ms_per_token"] / cell["snapkv"]["decode_ms_per_token"]
-                if cell["full"]["status"] == "ok" and cell.get("snapkv_compiled", {}).get("status") == "ok":
-                    cell["speedup_compiled"] = (cell["full"]["decode_ms_per_token"]
-                                                / cell["snapkv_compiled"]["decode_ms_per_token"])
-                entry["cells"].append(cell)
-                print(f"  {size} x{batch}: " + ", ".join(
-                    f"{m} {cell[m].get('decode_ms_per_token', float('nan')):.2f} ms/token "
-                    f"({cell[m].get('ratio_to_floor', float('nan')):.2f}x floor) [{cell[m]['status']}]"
-                    for m, _, _ in methods) + (f", speedup {cell['speedup']:.2f}x" if "speedup" in cell else "")
-                    + (f", compiled {cell['speedup_compiled']:.2f}x" if "speedup_compiled" in cell else ""),
-                    flush=True)
+    def model(self, name: str, shape: dict, dtype: torch.dtype, compile_mode) -> dict:
+        args, device = self.args, self.device
+        entry: dict = {"shape": shape, "cells": []}
+        self.results.report["models"][name] = entry
+        plain, compiled = build_llm(shape, device, dtype, self.tokenizer, compile_mode)
+        model = plain.model
+        weights, per_token = weight_bytes_read(model), kv_bytes_per_token(model)
+        cost = CostModel(model, first_rate_flops=2.5e14 if device.cuda else 2e10,
+                         first_compile_s=args.compile_estimate_s)
+        entry.update(weight_bytes_read_per_step=weights, kv_bytes_per_token=per_token,
+                     free_bytes_after_load=device.free_bytes(), allocated_bytes_after_load=device.allocated_bytes())
+        print(f"{name}: {weights / 2**30:.1f} GiB of weights read per step, {per_token / 2**10:.0f} KiB KV/token, "
+              f"{entry['free_bytes_after_load'] / 2**30:.1f} GiB free", flush=True)
+        small = 2 * args.budget
+        warm = {}
+        for batch in args.batches:  # untimed: first-use costs of the plain path stay out of the cells
+            warm[batch] = self.attempt(f"{name} warm-up x{batch}", cost.seconds(small, batch, 4, 1.0, prefills=2),
+                                       lambda b=batch: [run_cell(plain, device, self.prompt(plain, small), b, budget,
+                                                                 4) for budget in (None, args.budget)][-1])
+        entry["warm_up"] = warm
+        cells = {(size, batch): {"size": size, "batch": batch} for size in args.sizes for batch in args.batches}
+        entry["cells"] = list(cells.values())
+        passes = [("full", None, plain), ("snapkv", args.budget, plain)]
+        if compiled is not None:
+            passes += [("full_compiled", None, compiled), ("snapkv_compiled", args.budget, compiled)]
+        for method, budget, llm in passes:
+            if llm is compiled and "compile_s" not in entry:
+                entry["compile_s"] = self.compile(name, compiled, cost)
+            for (size, batch), cell in cells.items():
+                cell[method] = self.cell(name, llm, method, budget, size, batch, cost, weights, per_token, entry)
+                finish(cell)
+                self.results.write()
+                print(f"  {name} {size} x{batch} {method}: {describe(cell[method])}", flush=True)
         if not args.no_longest:
-            entry["longest"] = {}
-            for method, method_budget in (("full", None), ("snapkv", budget)):
-                entry["longest"][method] = longest_fit(llm, device, memory_points[method], method_budget, capacity,
-                                                       time_left(), last_prefill.get(method), args.steps)
-            full_fit, snap_fit = entry["longest"]["full"], entry["longest"]["snapkv"]
-            if "estimate_tokens" in full_fit and "estimate_tokens" in snap_fit:
-                entry["longest_ratio_estimate"] = snap_fit["estimate_tokens"] / full_fit["estimate_tokens"]
-        del llm, compiled, methods
-        gc.collect()
-        if device.cuda:
-            torch.cuda.empty_cache()
-    report["wall_s"] = time.perf_counter() - started
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "gpu_decode.json").write_text(json.dumps(report, indent=1))
-    print(table(report))
-    print(f"wrote {args.out_dir / 'gpu_decode.json'} in {report['wall_s']:.0f} s")
+            entry["longest"] = {m: self.longest(name, plain, entry, m, b, cost)
+                                for m, b in (("full", None), ("snapkv", args.budget))}
+            self.results.write()
+        del plain, compiled, model
+        device.clean()
+        return entry
+
+    def compile(self, name: str, compiled, cost: CostModel) -> dict:
+        """Untimed calls that compile the step (and capture its CUDA graphs) for each batch size,
+        for the SnapKV and the full cache's shapes."""
+        out = {}
+        small = 2 * self.args.budget
+        for batch in self.args.batches:
+            started = time.perf_counter()
+            outcome = self.attempt(f"{name} compile x{batch}", cost.compile_s + cost.seconds(small, batch, 8, 1.0, 2),
+                                   lambda b=batch: [run_cell(compiled, self.device, self.prompt(compiled, small), b,
+                                                             budget, 8) for budget in (self.args.budget, None)][-1])
+            seconds = time.perf_counter() - started
+            if outcome["status"] == "ok":
+                cost.compile_s = seconds  # later batch sizes: one recompile at most
+            out[batch] = {"status": outcome["status"], "seconds": seconds, **{k: outcome[k] for k in outcome
+                                                                              if k in ("error", "reason")}}
+            self.results.write()
+        return out
+
+    def cell(self, name, llm, method, budget, size, batch, cost: CostModel, weights, per_token, entry) -> dict:
+        args = self.args
+        cached = (size if budget is None else min(size, budget)) + args.steps / 2
+        read, floor = floor_ms(weights, per_token, batch, cached, self.bandwidth)
+        base = {"floor_bytes_read": read, "floor_ms_per_token": floor}
+        if method.endswith("compiled") and any(v["status"] != "ok" for v in entry["compile_s"].values()):
+            return {"status": "skipped (not compiled)", **base}
+        need = cost.bytes_needed(size, batch, args.steps)
+        free = self.device.free_bytes()
+        if need > 0.95 * free:
+            return {"status": "OOM", "error": f"predicted: needs {need / 2**30:.1f} GiB (KV and activations), "
+                                              f"{free / 2**30:.1f} GiB free", **base}
+        predicted = cost.seconds(size, batch, args.steps, floor)
+        outcome = self.attempt(f"{name} {size} x{batch} {method}", predicted,
+                               lambda: run_cell(llm, self.device, self.prompt(llm, size), batch, budget, args.steps))
+        outcome.update(base, predicted_s=predicted)
+        if outcome["status"] == "ok":
+            outcome["ratio_to_floor"] = outcome["decode_ms_per_token"] / floor
+            cost.learn_prefill(size, batch, outcome["prefill_s"])
+        return outcome
+
+    def longest(self, name, llm, entry, method, budget, cost: CostModel) -> dict:
+        """The longest batch-1 prompt: a linear fit of peak memory over the measured lengths,
+        solved for 95% of what the device can hold, then one real run there if its predicted
+        prefill fits the time left."""
+        points = [(c["size"], c[method]["peak_bytes"]) for c in entry["cells"]
+                  if c["batch"] == 1 and c.get(method, {}).get("status") == "ok"]
+        if len(points) < 2:
+            return {"status": "not enough points", "points": points}
+        n = len(points)
+        mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+        sxx = sum((x - mx) ** 2 for x, _ in points)
+        slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+        intercept = my - slope * mx
+        if slope <= 0:
+            return {"status": "no growth with length", "points": points}
+        capacity = self.device.allocated_bytes() + 0.95 * self.device.free_bytes()
+        estimate = int((capacity - intercept) / slope) // 1024 * 1024
+        out = {"status": "estimated", "estimate_tokens": estimate, "bytes_per_token": slope, "fixed_bytes": intercept,
+               "capacity_bytes": capacity, "points": points}
+        predicted = cost.seconds(estimate, 1, 4, 1.0)
+        check = self.attempt(f"{name} longest {method} {estimate}", predicted,
+                             lambda: run_cell(llm, self.device, random_prompt(self.tokenizer, llm.instruction,
+                                                                              estimate), 1, budget, 4))
+        out["check"] = {k: check[k] for k in ("status", "reason", "error", "peak_bytes", "prefill_s") if k in check}
+        out["check"]["predicted_s"] = predicted
+        if check["status"] == "ok":
+            out.update(status="verified", verified_tokens=estimate)
+        return out
+
+
+def finish(cell: dict) -> None:
+    """Speedups beside their ceilings: full / SnapKV at the floor is the most the hardware allows."""
+    ok = lambda m: cell.get(m, {}).get("status") == "ok"  # noqa: E731
+    for suffix in ("", "_compiled"):
+        full, snap = "full" + suffix, "snapkv" + suffix
+        if ok(full) and ok(snap):
+            speedup = cell[full]["decode_ms_per_token"] / cell[snap]["decode_ms_per_token"]
+            ceiling = cell[full]["floor_ms_per_token"] / cell[snap]["floor_ms_per_token"]
+            cell["speedup" + suffix] = speedup
+            cell["ceiling" + suffix] = ceiling
+            cell["fraction_of_ceiling" + suffix] = speedup / ceiling
+    for method in ("full", "snapkv"):
+        if ok(method) and ok(method + "_compiled"):
+            cell[f"compile_gain_{method}"] = (cell[method]["decode_ms_per_token"]
+                                             / cell[method + "_compiled"]["decode_ms_per_token"])
+
+
+def describe(outcome: dict) -> str:
+    if outcome["status"] != "ok":
+        return f"[{outcome['status']}] {outcome.get('reason') or outcome.get('error') or ''}"
+    return (f"{outcome['decode_ms_per_token']:.2f} ms/token ({outcome['ratio_to_floor']:.2f}x floor), prefill "
+            f"{outcome['prefill_s']:.2f} s, peak {outcome['peak_bytes'] / 2**30:.1f} GiB")
 
 
 def table(report: dict) -> str:
-    lines = ["| model | prompt | batch | full ms/token (x floor) | SnapKV ms/token (x floor) | speedup | "
-             "SnapKV compiled ms/token (x floor) | speedup compiled | peak GiB full | peak GiB SnapKV |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | prompt | batch | full ms/token (x floor) | SnapKV (x floor) | speedup / ceiling | "
+             "full compiled (x floor) | SnapKV compiled (x floor) | speedup / ceiling compiled | peak GiB full / "
+             "SnapKV |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in report["models"].items():
         for cell in entry.get("cells", []):
             def show(m: str) -> str:
@@ -416,18 +281,91 @@ def table(report: dict) -> str:
                 return (f"{c['decode_ms_per_token']:.2f} ({c['ratio_to_floor']:.2f}x)" if c["status"] == "ok"
                         else c["status"])
 
-            def peak(m: str) -> str:
-                return f"{cell[m]['peak_bytes'] / 2**30:.1f}" if cell[m]["status"] == "ok" else "-"
+            def speed(suffix: str) -> str:
+                key = "speedup" + suffix
+                return f"{cell[key]:.2f}x / {cell['ceiling' + suffix]:.2f}x" if key in cell else "-"
 
-            speed = f"{cell['speedup']:.2f}x" if "speedup" in cell else "-"
-            compiled = f"{cell['speedup_compiled']:.2f}x" if "speedup_compiled" in cell else "-"
+            def peak(m: str) -> str:
+                c = cell.get(m, {})
+                return f"{c['peak_bytes'] / 2**30:.1f}" if c.get("status") == "ok" else "-"
+
             lines.append(f"| {name} | {cell['size']} | {cell['batch']} | {show('full')} | {show('snapkv')} | "
-                         f"{speed} | {show('snapkv_compiled')} | {compiled} | {peak('full')} | {peak('snapkv')} |")
+                         f"{speed('')} | {show('full_compiled')} | {show('snapkv_compiled')} | {speed('_compiled')} | "
+                         f"{peak('full')} / {peak('snapkv')} |")
         for method, fit in entry.get("longest", {}).items():
             lines.append(f"| {name} | longest ({method}) | 1 | {fit.get('status')}: "
                          f"{fit.get('verified_tokens', fit.get('estimate_tokens', '-'))} tokens | | | | | | |")
     return "\n".join(lines)
 
 
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", type=Path, help="folder to write gpu_decode.json into (rewritten after every cell)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny configs and prompts: a test of the code path")
+    p.add_argument("--models", nargs="+", default=None, help=f"subset of {list(MODELS)} (or of {list(TINY_MODELS)})")
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="prompt lengths (default 16K 32K 64K)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--budget", type=int, default=None, help="SnapKV max_capacity_prompt (default 1024; tiny 64)")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per cell; the first 3 are left out of "
+                   "the steady-state ms/token (default 32)")
+    p.add_argument("--time-budget-s", type=float, default=300.0, help="seconds from the process start: no cell "
+                   "starts that is predicted to end after it, and the watchdog ends the run 30 s past it "
+                   "(default 300)")
+    p.add_argument("--compile-estimate-s", type=float, default=None, help="predicted first compile time before "
+                   "one is measured (default 120 on CUDA, 60 on CPU)")
+    p.add_argument("--no-longest", action="store_true", help="skip the longest-prompt estimate and check")
+    p.add_argument("--no-compile", action="store_true", help="leave out the compiled methods")
+    args = p.parse_args(argv)
+    args.budget = args.budget or (64 if args.tiny else 1024)
+    args.sizes = args.sizes or ([256, 512] if args.tiny else [16384, 32768, 65536])
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    device = Device(args.device)
+    if args.compile_estimate_s is None:
+        args.compile_estimate_s = 120.0 if device.cuda else 60.0
+    models = TINY_MODELS if args.tiny else MODELS
+    names = args.models or list(models)
+    unknown = [n for n in names if n not in models]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; choose from {list(models)}")
+    dtype = torch.float32 if (args.tiny and not device.cuda) else torch.bfloat16
+    compile_mode = None if args.no_compile else ("reduce-overhead" if device.cuda else True)
+    # one compile serves every cache length and batch size (the full cache's length changes per prompt)
+    torch._dynamo.config.assume_static_by_default = False
+    deadline = STARTED + args.time_budget_s
+    results = ResultFile(args.out_dir / "gpu_decode.json", {
+        "benchmark": "gpu_decode", "device": device.name(), "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__, "budget": args.budget, "steps": args.steps, "warm_steps_left_out": WARM_STEPS,
+        "sizes": args.sizes, "batches": args.batches, "tiny": args.tiny, "time_budget_s": args.time_budget_s,
+        "command": "python benchmarks/gpu_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "models": {}, "ended": "running"})
+    watchdog = Watchdog(results, deadline, grace_s=30.0)
+    import transformers
+
+    bandwidth = device.copy_bandwidth(64 if args.tiny else 4096)
+    results.write(transformers=transformers.__version__, copy_bandwidth_bytes_per_s=bandwidth)
+    print(f"{device.name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    run = Run(args, device, results, watchdog, deadline, bandwidth, word_tokenizer())
+    for name in names:
+        if run.left() < 30:
+            results.report["models"][name] = {"skipped": f"time budget ({max(run.left(), 0):.0f} s left)"}
+            continue
+        watchdog.doing = f"{name}: building"
+        try:
+            run.model(name, models[name], dtype, compile_mode)
+        except Exception as error:
+            results.report["models"].setdefault(name, {})["error"] = f"{type(error).__name__}: {error}"[:500]
+            device.clean()
+        results.write()
+    results.write(ended="finished", wall_s=time.monotonic() - STARTED)
+    print(table(results.report))
+    print(f"wrote {results.path} in {time.monotonic() - STARTED:.0f} s")
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

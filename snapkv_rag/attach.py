@@ -72,19 +72,19 @@ class PrefillPlan:
         keys, values = layer.keys, layer.values
         self.prompt_length = keys.shape[-2]
         for name, (config, cache) in self.branches.items():
-            start = time.perf_counter()
+            start = _clock(keys)
             k, v, kept = compression.select(config, query, keys, values, self.attention_mask, layer_idx,
                                             self.num_layers)
             cache.update(k.contiguous(), v.contiguous(), layer_idx)
             self.branch_kept.setdefault(name, {})[layer_idx] = kept
-            self.branch_selection_s[name] = self.branch_selection_s.get(name, 0.0) + time.perf_counter() - start
-        start = time.perf_counter()
+            self.branch_selection_s[name] = self.branch_selection_s.get(name, 0.0) + _clock(keys) - start
+        start = _clock(keys)
         if self.config is not None:
             k, v, kept = compression.select(self.config, query, keys, values, self.attention_mask, layer_idx,
                                             self.num_layers)
             layer.keys, layer.values = k.contiguous(), v.contiguous()
             self.kept_positions[layer_idx] = kept
-        self.selection_s += time.perf_counter() - start
+        self.selection_s += _clock(keys) - start
 
     def _record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -93,6 +93,14 @@ class PrefillPlan:
         total = self.decode_attention.get(layer_idx)
         self.decode_attention[layer_idx] = probs if total is None else total + probs
         self.record_s += time.perf_counter() - start
+
+
+def _clock(tensor: torch.Tensor) -> float:
+    """``perf_counter`` once the device has finished the work queued so far: on CUDA, kernels run
+    after their launch returns, so an unsynchronised clock would time the launches only."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter()
 
 
 def _with_room(states: torch.Tensor, extra: int) -> torch.Tensor:
@@ -156,6 +164,9 @@ class _Static:
         self.keys, self.values = _with_room(layer.keys, extra), _with_room(layer.values, extra)
         layer.keys, layer.values = self.keys, self.values
         layer.update = self.update
+        if self.keys.is_cuda:  # written in place by every step: CUDA graphs need them at fixed addresses
+            for buffer in (self.keys, self.values):  # (no guard: a new request's buffers re-capture, not recompile)
+                torch._dynamo.mark_static_address(buffer, guard=False)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.keys.index_copy_(2, self.slot, key_states)

@@ -508,7 +508,7 @@ class SnapKVLLM:
         if valid is not None and bool(valid.all()):
             valid = None  # compression dropped every pad: decode exactly as unpadded rows do
         positions = pre.real.clone()
-        logits, steps, decode_s = pre.logits, 0, 0.0
+        logits, steps, step_ms = pre.logits, 0, []
         slot = None
         if self.compile and not pre.plan.record_decode_attention:
             kept_slots = cache.layers[0].keys.shape[-2]
@@ -543,7 +543,7 @@ class SnapKVLLM:
                         valid = torch.cat([valid, valid.new_ones((batch, 1))], dim=-1)
                     logits = self._forward(tokens[:, None], valid, positions[:, None], cache,
                                            pre.plan if pre.plan.record_decode_attention else None)
-                decode_s += time.perf_counter() - start - (pre.plan.record_s - recorded)
+                step_ms.append(1000 * (time.perf_counter() - start - (pre.plan.record_s - recorded)))
                 positions += 1
                 steps += 1
         except torch.OutOfMemoryError as error:
@@ -554,7 +554,8 @@ class SnapKVLLM:
                 piece = state.flush()
                 if piece:
                     yield row, piece
-        timings = Timings(prefill_s=pre.prefill_s, decode_ms_per_token=1000 * decode_s / steps if steps else 0.0)
+        timings = Timings(prefill_s=pre.prefill_s, decode_ms_per_token=sum(step_ms) / steps if steps else 0.0,
+                          decode_step_ms=step_ms)
         selection_ms = 1000 * pre.plan.selection_s
         return [self._result(pre.requests[row], states[row], kept_positions, config, timings, selection_ms)
                 for row in range(batch)]

@@ -32,8 +32,13 @@ class CompressionStats:
 
 @dataclass
 class Timings:
+    """Wall-clock times of one generation (on CUDA, synchronised: the work, not its launch).
+    ``decode_step_ms`` has one entry per decode step, so that first-step costs (compilation,
+    CUDA-graph capture) can be told apart from the steady state."""
+
     prefill_s: float
     decode_ms_per_token: float
+    decode_step_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
