@@ -87,10 +87,10 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="toy sizes, for a test of this script on the CPU")
     p.add_argument("--time-budget-s", type=float, default=410.0,
                    help="seconds for the whole check from the process start (default 410: under 7 minutes)")
-    p.add_argument("--tests-s", type=float, default=70.0, help="time for the engine tests (default 70)")
+    p.add_argument("--tests-s", type=float, default=60.0, help="time for the engine tests (default 60)")
     p.add_argument("--tests-k", default="not compiled", help="pytest -k expression for the engine tests (default: "
                    "all but the compiled-decode test; the benchmark compiles on real shapes)")
-    p.add_argument("--evals-s", type=float, default=45.0, help="time for the eval smoke run (default 45)")
+    p.add_argument("--evals-s", type=float, default=40.0, help="time for the eval smoke run (default 40)")
     args = p.parse_args(argv)
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)

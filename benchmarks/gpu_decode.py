@@ -161,14 +161,16 @@ class Run:
         passes = [("full", None, plain), ("snapkv", args.budget, plain)]
         if compiled is not None:
             passes += [("full_compiled", None, compiled), ("snapkv_compiled", args.budget, compiled)]
-        for method, budget, llm in passes:
-            if llm is compiled and "compile_s" not in entry:
-                entry["compile_s"] = self.compile(name, compiled, cost)
-            for (size, batch), cell in cells.items():
-                cell[method] = self.cell(name, llm, method, budget, size, batch, cost, weights, per_token, entry)
-                finish(cell)
-                self.results.write()
-                print(f"  {name} {size} x{batch} {method}: {describe(cell[method])}", flush=True)
+        for size in args.sizes:  # every method at one size before the next size: complete cells first
+            for method, budget, llm in passes:
+                if llm is compiled and "compile_s" not in entry:
+                    entry["compile_s"] = self.compile(name, compiled, cost)
+                for batch in args.batches:
+                    cell = cells[size, batch]
+                    cell[method] = self.cell(name, llm, method, budget, size, batch, cost, weights, per_token, entry)
+                    finish(cell)
+                    self.results.write()
+                    print(f"  {name} {size} x{batch} {method}: {describe(cell[method])}", flush=True)
         if not args.no_longest:
             entry["longest"] = {m: self.longest(name, plain, entry, m, b, cost)
                                 for m, b in (("full", None), ("snapkv", args.budget))}
