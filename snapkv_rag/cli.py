@@ -1,97 +1,107 @@
-"""``snapkv-rag``: ask a question over your files, or run the bundled side-by-side demo."""
+"""The ``snapkv-rag`` command: ask a question over your files, or run the bundled side-by-side demo."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import sys
 from pathlib import Path
 
 from .config import SnapKVConfig
-from .prompts import Document
+from .files import DOC_SUFFIXES, DocumentFileError, collect_documents
 
-TEXT_SUFFIXES = (".txt", ".md")
-DOC_SUFFIXES = (".jsonl", ".json") + TEXT_SUFFIXES
 DEMO_FILE = Path(__file__).with_name("data") / "demo.jsonl"
+# the engine's and the configs' field names, as the flags that set them
+FLAGS = {"max_capacity_prompt": "--budget", "window_size": "--window", "kernel_size": "--kernel",
+         "pooling": "--pooling", "max_new_tokens": "--max-new-tokens", "device": "--device", "dtype": "--dtype",
+         "model": "--model"}
+COMPRESSION_DEFAULTS = {"budget": 1024, "window": 32, "kernel": 7, "pooling": "max"}
+log = logging.getLogger("snapkv_rag.cli")
 
 
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
 
 
-def _records_to_documents(records, source: Path) -> list[Document]:
-    docs = []
-    for i, record in enumerate(records, start=1):
-        if isinstance(record, str):
-            docs.append(Document(text=record, id=f"{source.name}:{i}"))
-        elif isinstance(record, dict) and isinstance(record.get("text"), str):
-            title = record.get("title")
-            docs.append(Document(text=record["text"], title=None if title is None else str(title),
-                                 id=str(record.get("id", f"{source.name}:{i}"))))
-        else:
-            raise UsageError(f"{source}: record {i} is neither a string nor an object with a 'text' string")
-    return docs
+def in_flag_words(message: str) -> str:
+    """``max_capacity_prompt: must be ... window_size=32`` -> ``--budget: must be ... --window 32``."""
+    for field_name, flag in FLAGS.items():
+        message = re.sub(rf"\b{field_name}=(?:'([^']*)'|(\S+?))(?=[,;:)\s]|$)",
+                         lambda m, f=flag: f"{f} {m.group(1) or m.group(2)}", message)
+        message = re.sub(rf"(^|\s){field_name}:", rf"\1{flag}:", message)
+    return message
 
 
-def read_documents(path: Path) -> list[Document]:
-    """One file: ``.jsonl`` (a document per line), ``.json`` (a list), or a text file (one document)."""
+def _note(message: str) -> None:
+    """Input that was overridden or skipped: said on stderr (silenced by --quiet)."""
+    log.warning("note: %s", message)
+
+
+def _documents(paths: list[str]):
     try:
-        if path.suffix == ".jsonl":
-            lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-            try:
-                return _records_to_documents([json.loads(line) for line in lines], path)
-            except json.JSONDecodeError as error:
-                raise UsageError(f"{path}: not valid JSON Lines ({error})") from error
-        if path.suffix == ".json":
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as error:
-                raise UsageError(f"{path}: not valid JSON ({error})") from error
-            if not isinstance(data, list):
-                raise UsageError(f"{path}: expected a JSON list of documents")
-            return _records_to_documents(data, path)
-        return [Document(text=path.read_text(encoding="utf-8"), title=path.stem, id=path.name)]
-    except UnicodeDecodeError as error:
-        raise UsageError(f"{path}: not UTF-8 text") from error
+        collected = collect_documents(paths)
+    except DocumentFileError as error:
+        raise UsageError(f"--docs: {error}") from error
+    if collected.skipped:
+        names = ", ".join(p.name for p in collected.skipped[:5]) + (" ..." if len(collected.skipped) > 5 else "")
+        _note(f"--docs: skipped {len(collected.skipped)} file(s) that are not {', '.join(DOC_SUFFIXES)}: {names}")
+    return collected.documents
 
 
-def collect_documents(paths: list[str]) -> list[Document]:
-    """Files and folders, in the order given (a folder's files sorted by name)."""
-    docs: list[Document] = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if not path.exists():
-            raise UsageError(f"--docs: {raw} does not exist")
-        if path.is_dir():
-            files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in DOC_SUFFIXES)
-            if not files:
-                raise UsageError(f"--docs: the folder {raw} holds no {', '.join(DOC_SUFFIXES)} files")
-        elif path.is_file():
-            if path.suffix not in DOC_SUFFIXES:
-                raise UsageError(f"--docs: {raw} is not one of {', '.join(DOC_SUFFIXES)}")
-            files = [path]
-        else:
-            raise UsageError(f"--docs: {raw} is not a regular file or folder")
-        for file in files:
-            docs.extend(read_documents(file))
-    return docs
+def _quiet_loading(args) -> None:
+    """transformers' weight-loading bars and warnings stay out of the CLI's output unless --verbose."""
+    from transformers.utils import logging as hf_logging
+
+    if args.verbose:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def _engine(args, snapkv):
+    import torch
+
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device is available here; use --device cpu")
+    _quiet_loading(args)
     from .engine import SnapKVLLM
 
-    return SnapKVLLM(model=args.model, device=args.device, dtype=args.dtype, snapkv=snapkv,
-                     max_new_tokens=args.max_new_tokens)
+    log.info("loading %s", args.model or "the embedded default model")
+    llm = SnapKVLLM(model=args.model, device=args.device, dtype=args.dtype, snapkv=snapkv,
+                    max_new_tokens=args.max_new_tokens)
+    context = getattr(llm.model.config, "max_position_embeddings", None)
+    budgets = [c.max_capacity_prompt for c in ([snapkv] if snapkv else [])] + list(getattr(args, "budgets", []))
+    too_big = [b for b in budgets if context and b > context]
+    if too_big:
+        raise UsageError(f"--budget{'s' if hasattr(args, 'budgets') else ''} {too_big[0]}: larger than the model's "
+                         f"context window ({context} tokens), so nothing would ever be dropped; use --full to keep "
+                         f"the whole cache")
+    return llm
+
+
+def _compression(args) -> dict:
+    """The compression flags with their defaults filled in; a note when --full makes them moot."""
+    given = {name: getattr(args, name) for name in COMPRESSION_DEFAULTS if getattr(args, name) is not None}
+    if getattr(args, "full", False) and given:
+        _note("--full keeps the whole cache: " + ", ".join(f"--{n} {v}" for n, v in given.items()) + " ignored")
+    return {**COMPRESSION_DEFAULTS, **given}
+
+
+def _snapkv(budget: int, settings: dict) -> SnapKVConfig:
+    try:
+        return SnapKVConfig(max_capacity_prompt=budget, window_size=settings["window"],
+                            kernel_size=settings["kernel"], pooling=settings["pooling"])
+    except ValueError as error:
+        raise UsageError(in_flag_words(str(error))) from error
 
 
 def _config(args) -> SnapKVConfig | None:
-    if args.full:
-        return None
-    try:
-        return SnapKVConfig(max_capacity_prompt=args.budget, window_size=args.window, kernel_size=args.kernel,
-                            pooling=args.pooling)
-    except ValueError as error:
-        raise UsageError(str(error)) from error
+    settings = _compression(args)
+    return None if args.full else _snapkv(settings["budget"], settings)
 
 
 def _mib(n: int) -> str:
@@ -99,9 +109,9 @@ def _mib(n: int) -> str:
 
 
 def cmd_ask(args) -> int:
-    docs = collect_documents(args.docs)
     if not args.question.strip():
-        raise UsageError("question: must not be empty")
+        raise UsageError("the question must not be empty")
+    docs = _documents(args.docs)
     llm = _engine(args, _config(args))
     result = llm.generate(args.question, docs)
     if args.json:
@@ -125,13 +135,18 @@ def cmd_ask(args) -> int:
 
 def cmd_demo(args) -> int:
     records = [json.loads(line) for line in DEMO_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
-    try:
-        configs = {f"SnapKV@{b}": SnapKVConfig(max_capacity_prompt=b, window_size=args.window, kernel_size=args.kernel,
-                                               pooling=args.pooling) for b in args.budgets}
-    except ValueError as error:
-        raise UsageError(str(error)) from error
+    if args.questions < 1:
+        raise UsageError(f"--questions {args.questions}: must be at least 1")
+    if args.questions > len(records):
+        _note(f"--questions {args.questions}: the demo bundles {len(records)}; showing all of them")
+    records = records[:args.questions]
+    settings = _compression(args)
+    if settings["budget"] != COMPRESSION_DEFAULTS["budget"]:
+        _note("demo: --budget is ignored; --budgets sets the budgets shown beside the full cache")
+    configs = {f"SnapKV@{b}": _snapkv(b, settings) for b in args.budgets}
     llm = _engine(args, None)
-    print(f"model {llm.model_name}; SnapKV window {args.window}, kernel {args.kernel}, {args.pooling} pooling; "
+    print(f"model {llm.model_name}; SnapKV window {settings['window']}, kernel {settings['kernel']}, "
+          f"{settings['pooling']} pooling; "
           f"one shared prefill per question, then each cache decoded in turn\n")
     for record in records:
         both = llm.compare(record["question"], record["documents"], methods={"full cache": None, **configs},
@@ -151,18 +166,23 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snapkv-rag", description=__doc__)
+    parser = argparse.ArgumentParser(prog="snapkv-rag", description="Ask a question over your files with a "
+                                     "SnapKV-compressed KV cache, or run the bundled side-by-side demo.")
     common = argparse.ArgumentParser(add_help=False)
+    talk = common.add_mutually_exclusive_group()
+    talk.add_argument("-v", "--verbose", action="store_true", help="progress of loading and generation, and "
+                      "transformers' own messages")
+    talk.add_argument("-q", "--quiet", action="store_true", help="errors only: no notes or warnings")
     common.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: the embedded "
                         "SmolLM2-135M-Instruct)")
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     common.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on GPU, "
                         "float32 on CPU)")
-    common.add_argument("--budget", type=int, default=1024, help="prompt tokens kept per layer and KV head "
+    common.add_argument("--budget", type=int, default=None, help="prompt tokens kept per layer and KV head "
                         "(max_capacity_prompt, default 1024)")
-    common.add_argument("--window", type=int, default=32, help="observation window (default 32)")
-    common.add_argument("--kernel", type=int, default=7, help="pooling kernel, odd (default 7)")
-    common.add_argument("--pooling", default="max", choices=("max", "avg"))
+    common.add_argument("--window", type=int, default=None, help="observation window (default 32)")
+    common.add_argument("--kernel", type=int, default=None, help="pooling kernel, odd (default 7)")
+    common.add_argument("--pooling", default=None, choices=("max", "avg"), help="(default max)")
     common.add_argument("--full", action="store_true", help="no compression: the full cache")
     common.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit (default 64)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", parents=[common], help="a bundled NQ question: full cache and SnapKV side by side")
     demo.add_argument("--budgets", type=int, nargs="+", default=[1024, 256],
                       help="SnapKV budgets to show beside the full cache (default 1024 256)")
+    demo.add_argument("--questions", type=int, default=1, help="how many of the bundled questions to show "
+                      "(default 1)")
     demo.set_defaults(func=cmd_demo)
     return parser
 
@@ -182,10 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    level = logging.ERROR if args.quiet else logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="snapkv-rag: %(message)s", stream=sys.stderr, force=True)
+    logging.getLogger("snapkv_rag").setLevel(level)
     try:
         return args.func(args)
     except (UsageError, ValueError, TypeError) as error:
-        print(f"snapkv-rag: error: {error}", file=sys.stderr)
+        print(f"snapkv-rag: error: {in_flag_words(str(error))}", file=sys.stderr)
         return 2
 
 

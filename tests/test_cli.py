@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from snapkv_rag.cli import collect_documents, main
+from snapkv_rag.cli import in_flag_words, main
+from snapkv_rag.files import collect_documents
 
 
 def test_documents_from_jsonl_json_text_files_and_folders(tmp_path):
@@ -19,17 +20,20 @@ def test_documents_from_jsonl_json_text_files_and_folders(tmp_path):
     (folder / "2.md").write_text("delta")
     (folder / "1.txt").write_text("epsilon")
     (folder / "skip.bin").write_bytes(b"\0")
-    docs = collect_documents([str(tmp_path / "a.jsonl"), str(tmp_path / "b.json"), str(folder)])
+    collected = collect_documents([str(tmp_path / "a.jsonl"), str(tmp_path / "b.json"), str(folder)])
+    docs = collected.documents
     assert [d.text for d in docs] == ["alpha", "beta", "gamma", "epsilon", "delta"]
     assert docs[0].title == "A" and docs[2].id == "g" and docs[3].title == "1"
+    assert [p.name for p in collected.skipped] == ["skip.bin"]  # reported, not dropped in silence
 
 
 @pytest.mark.parametrize("setup,words", [
     (lambda p: str(p / "missing.jsonl"), "does not exist"),
     (lambda p: (p / "x.pdf").write_bytes(b"%PDF") and str(p / "x.pdf"), "is not one of"),
-    (lambda p: (p / "bad.jsonl").write_text("{oops\n") and str(p / "bad.jsonl"), "not valid JSON Lines"),
+    (lambda p: (p / "bad.jsonl").write_text('"a"\n\n{oops\n') and str(p / "bad.jsonl"), "bad.jsonl, line 3: not valid JSON"),
+    (lambda p: (p / "bad.json").write_text('[\n"a",\n]') and str(p / "bad.json"), "bad.json, line 3: not valid JSON"),
     (lambda p: (p / "obj.json").write_text('{"text": "x"}') and str(p / "obj.json"), "JSON list"),
-    (lambda p: (p / "num.jsonl").write_text("3\n") and str(p / "num.jsonl"), "record 1"),
+    (lambda p: (p / "num.jsonl").write_text('"a"\n3\n') and str(p / "num.jsonl"), "num.jsonl, line 2: neither"),
     (lambda p: (p / "empty").mkdir() or str(p / "empty"), "holds no"),
     (lambda p: (p / "latin.txt").write_bytes("caf\xe9".encode("latin-1")) and str(p / "latin.txt"), "UTF-8"),
 ])
@@ -40,10 +44,69 @@ def test_bad_paths_give_one_line_and_status_2(tmp_path, capsys, setup, words):
     assert words in err and err.count("\n") == 1
 
 
-def test_bad_budget_is_named(tmp_path, capsys):
+def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """The installed entry point, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "snapkv_rag.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--budget", "-5"], "--budget: must be an integer larger than --window 32, got -5"),
+    (["--budget", "16"], "--budget: must be an integer larger than --window 32, got 16"),
+    (["--window", "0"], "--window: must be a positive integer, got 0"),
+    (["--kernel", "4"], "--kernel: must be a positive odd integer, got 4"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+])
+def test_cli_errors_speak_in_flags(tmp_path, flags, words):
     (tmp_path / "a.txt").write_text("alpha")
-    assert main(["ask", "q?", "--docs", str(tmp_path / "a.txt"), "--budget", "16"]) == 2
-    assert "max_capacity_prompt" in capsys.readouterr().err
+    out = _cli("ask", "q?", "--docs", str(tmp_path / "a.txt"), *flags)
+    assert out.returncode == 2 and out.stderr.strip().endswith(words), out.stderr
+    assert "max_capacity_prompt" not in out.stderr and "window_size" not in out.stderr
+
+
+def test_engine_messages_are_put_in_flag_words():
+    assert in_flag_words("device: 'cuda:9' was asked, use device='cpu'") == "--device: 'cuda:9' was asked, use --device cpu"
+    assert in_flag_words("max_new_tokens: must be a positive integer") == "--max-new-tokens: must be a positive integer"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message where CUDA is absent")
+def test_cuda_asked_where_there_is_none(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha")
+    out = _cli("ask", "q?", "--docs", str(tmp_path / "a.txt"), "--device", "cuda")
+    assert out.returncode == 2 and "--device cuda: no CUDA device is available here; use --device cpu" in out.stderr
+
+
+def test_overridden_and_skipped_input_is_said_and_quiet_silences_it(tmp_path):
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "a.txt").write_text("alpha")
+    (folder / "photo.png").write_bytes(b"\x89PNG")
+    args = ["ask", "q?", "--docs", str(folder), "--full", "--budget", "128", "--max-new-tokens", "0"]
+    out = _cli(*args)  # fails on --max-new-tokens only after the notes, before loading any model
+    assert "note: --docs: skipped 1 file(s) that are not .jsonl, .json, .txt, .md: photo.png" in out.stderr
+    assert "note: --full keeps the whole cache: --budget 128 ignored" in out.stderr
+    quiet = _cli(*args, "--quiet")
+    assert "note" not in quiet.stderr and "--max-new-tokens 0" in quiet.stderr
+
+
+def test_help_is_fast_because_nothing_heavy_is_imported():
+    out = subprocess.run([sys.executable, "-c", "import sys, snapkv_rag, snapkv_rag.cli; "
+                          "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    helped = _cli("--help")
+    assert helped.returncode == 0 and "``" not in helped.stdout and "--verbose" in _cli("ask", "--help").stdout
+
+
+def test_budget_beyond_the_context_window_is_refused(tmp_path, tiny_model, tokenizer):
+    tiny_model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("alpha")
+    out = _cli("ask", "q?", "--docs", str(tmp_path / "a.txt"), "--model", str(tmp_path / "model"), "--budget",
+               "10000000000", "--device", "cpu")
+    assert out.returncode == 2
+    assert "--budget 10000000000: larger than the model's context window (8192 tokens)" in out.stderr
+    assert "Loading weights" not in out.stderr  # transformers' bars are off in the CLI
 
 
 @pytest.mark.model
