@@ -67,6 +67,9 @@ def test_full_cache_and_budget_per_call(chat):
     compressed = small.response_metadata["compression"]
     assert full["method"] == "full" and full["kept_tokens"][0] == full["prompt_tokens"]
     assert compressed["kept_tokens"][0] == 64 < compressed["prompt_tokens"]
+    bound = chat.bind(snapkv=SnapKVConfig(max_capacity_prompt=64)).invoke("Which number?", documents=long_docs)
+    same = {k: v for k, v in compressed.items() if k != "selection_ms"}  # all but a timing
+    assert {k: v for k, v in bound.response_metadata["compression"].items() if k != "selection_ms"} == same
 
 
 def test_token_counting_uses_the_models_tokenizer(chat, tiny_engine):
