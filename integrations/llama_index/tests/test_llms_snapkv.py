@@ -94,6 +94,32 @@ def test_query_engine_and_settings(llm, monkeypatch):
     assert str(index().as_query_engine(llm=llm).query("Where is the Eiffel Tower?")).strip()
 
 
+def test_query_engine_response_carries_citations_and_compression(llm, tiny_engine):
+    from snapkv_rag import SnapKVConfig
+
+    llm = SnapKVLLM(engine=tiny_engine, max_new_tokens=8, snapkv=SnapKVConfig(max_capacity_prompt=40, window_size=8))
+    response = CitationQueryEngine.from_args(index(), llm=llm, similarity_top_k=3).query("Where is the Colosseum?")
+    figures = response.metadata["snapkv"]
+    compression = figures["compression"]
+    assert compression["method"] == "snapkv" and compression["kept_tokens"][0] == 40 < compression["prompt_tokens"]
+    assert figures["citations"] == parse_citations(str(response), len(response.source_nodes))
+    assert figures["calls"][-1]["compression"] == compression and figures["calls"][-1]["usage"]["prompt_tokens"] > 40
+    assert all(n.node.node_id in response.metadata for n in response.source_nodes)  # the nodes' own entries stay
+    plain = index().as_query_engine(llm=llm, similarity_top_k=2).query("Where is the Eiffel Tower?")
+    assert plain.metadata["snapkv"]["compression"]["prompt_tokens"] > 0  # any query engine, not only citations
+
+
+async def test_concurrent_async_queries_keep_their_own_figures(tiny_engine):
+    from snapkv_rag import SnapKVConfig
+
+    small = SnapKVLLM(engine=tiny_engine, max_new_tokens=4, snapkv=SnapKVConfig(max_capacity_prompt=40, window_size=8))
+    full = SnapKVLLM(engine=tiny_engine, max_new_tokens=4, snapkv=False)
+    a, b = await asyncio.gather(index().as_query_engine(llm=small).aquery("Where is the Colosseum?"),
+                                index().as_query_engine(llm=full).aquery("Where is the Colosseum?"))
+    assert a.metadata["snapkv"]["compression"]["method"] == "snapkv"
+    assert b.metadata["snapkv"]["compression"]["method"] == "full"
+
+
 def test_bad_input_is_named(llm, tiny_engine):
     with pytest.raises(ValueError, match="role 'tool'"):
         llm.chat([ChatMessage(role=MessageRole.TOOL, content="42")])

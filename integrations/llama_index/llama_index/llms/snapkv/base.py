@@ -25,6 +25,7 @@ from pydantic import Field, model_validator
 from snapkv_rag import GenerationResult
 from snapkv_rag.adapters import LOADING_DEFAULTS, engine_from, iterate_in_thread
 
+from . import instrumentation
 from .citations import split_sources
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
@@ -46,7 +47,8 @@ class SnapKVLLM(CustomLLM):
     Source numbers (``parse_sources=False`` sends the prompt text unchanged). Other prompts go
     to the model as they are. Every response carries ``additional_kwargs`` with ``citations``,
     ``compression`` (kept tokens per layer, KV bytes, ratio), ``timings`` and ``usage``, and
-    ``raw`` = ``GenerationResult.to_dict()``.
+    ``raw`` = ``GenerationResult.to_dict()``; a query engine's ``Response`` gets the same figures in
+    ``response.metadata["snapkv"]`` (see :mod:`llama_index.llms.snapkv.instrumentation`).
     """
 
     engine: Any = Field(default=None, exclude=True, description="An already loaded snapkv_rag.SnapKVLLM.")
@@ -68,6 +70,7 @@ class SnapKVLLM(CustomLLM):
     @model_validator(mode="after")
     def _attach_engine(self) -> SnapKVLLM:
         self.engine = engine_from(self.engine, self.snapkv, **{name: getattr(self, name) for name in LOADING_DEFAULTS})
+        instrumentation.register()  # query engines' responses get response.metadata["snapkv"]
         return self
 
     @classmethod
