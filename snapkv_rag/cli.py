@@ -75,7 +75,7 @@ def _engine(args, snapkv):
                     max_new_tokens=args.max_new_tokens)
     context = getattr(llm.model.config, "max_position_embeddings", None)
     budgets = [c.max_capacity_prompt for c in ([snapkv] if snapkv else [])] + list(getattr(args, "budgets", []))
-    too_big = [b for b in budgets if context and b > context]
+    too_big = [b for b in budgets if context and isinstance(b, int) and b > context]
     if too_big:
         raise UsageError(f"--budget{'s' if hasattr(args, 'budgets') else ''} {too_big[0]}: larger than the model's "
                          f"context window ({context} tokens), so nothing would ever be dropped; use --full to keep "
@@ -91,10 +91,25 @@ def _compression(args) -> dict:
     return {**COMPRESSION_DEFAULTS, **given}
 
 
-def _snapkv(budget: int, settings: dict) -> SnapKVConfig:
+def budget_value(text: str) -> int | float:
+    """``--budget``: tokens (``512``) or a share of each prompt (``50%``, kept as 0.5)."""
     try:
-        return SnapKVConfig(max_capacity_prompt=budget, window_size=settings["window"],
-                            kernel_size=settings["kernel"], pooling=settings["pooling"])
+        if text.endswith("%"):
+            share = float(text[:-1]) / 100
+            if not 0 < share <= 1:
+                raise argparse.ArgumentTypeError(f"{text}: a share of the prompt must be in (0%, 100%]")
+            return share
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: expected a number of tokens (512) or a share of the prompt "
+                                         f"(50%)") from None
+
+
+def _snapkv(budget: int | float, settings: dict) -> SnapKVConfig:
+    size = {"ratio": budget} if isinstance(budget, float) else {"max_capacity_prompt": budget}
+    try:
+        return SnapKVConfig(**size, window_size=settings["window"], kernel_size=settings["kernel"],
+                            pooling=settings["pooling"])
     except ValueError as error:
         raise UsageError(in_flag_words(str(error))) from error
 
@@ -143,7 +158,8 @@ def cmd_demo(args) -> int:
     settings = _compression(args)
     if settings["budget"] != COMPRESSION_DEFAULTS["budget"]:
         _note("demo: --budget is ignored; --budgets sets the budgets shown beside the full cache")
-    configs = {f"SnapKV@{b}": _snapkv(b, settings) for b in args.budgets}
+    configs = {f"SnapKV@{b:.0%}" if isinstance(b, float) else f"SnapKV@{b}": _snapkv(b, settings)
+               for b in args.budgets}
     llm = _engine(args, None)
     print(f"model {llm.model_name}; SnapKV window {settings['window']}, kernel {settings['kernel']}, "
           f"{settings['pooling']} pooling; "
@@ -178,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     common.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on GPU, "
                         "float32 on CPU)")
-    common.add_argument("--budget", type=int, default=None, help="prompt tokens kept per layer and KV head "
-                        "(max_capacity_prompt, default 1024)")
+    common.add_argument("--budget", type=budget_value, default=None, help="prompt tokens kept per layer and KV "
+                        "head (512), or a share of each prompt (50%%, never below 128 tokens); default 1024 tokens")
     common.add_argument("--window", type=int, default=None, help="observation window (default 32)")
     common.add_argument("--kernel", type=int, default=None, help="pooling kernel, odd (default 7)")
     common.add_argument("--pooling", default=None, choices=("max", "avg"), help="(default max)")
@@ -193,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--json", action="store_true", help="print the whole result as JSON")
     ask.set_defaults(func=cmd_ask)
     demo = sub.add_parser("demo", parents=[common], help="a bundled NQ question: full cache and SnapKV side by side")
-    demo.add_argument("--budgets", type=int, nargs="+", default=[1024, 256],
+    demo.add_argument("--budgets", type=budget_value, nargs="+", default=[1024, 256],
                       help="SnapKV budgets to show beside the full cache (default 1024 256)")
     demo.add_argument("--questions", type=int, default=1, help="how many of the bundled questions to show "
                       "(default 1)")

@@ -7,9 +7,11 @@ how they score the prefix positions; the selection itself lives in :mod:`snapkv_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 _POOLINGS = ("max", "avg")
+DEFAULT_BUDGET = 1024
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -17,28 +19,63 @@ def _require(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+def _check_budget(config, floor_name: str, floor: int) -> None:
+    """The budget in tokens (``max_capacity_prompt``, default 1024) or as a share of each prompt
+    (``ratio``, never below ``min_capacity_prompt``): one of the two, validated against the kept
+    window (``floor_name`` = ``floor``)."""
+    if config.ratio is None:
+        if config.max_capacity_prompt is None:
+            object.__setattr__(config, "max_capacity_prompt", DEFAULT_BUDGET)
+        _require(isinstance(config.max_capacity_prompt, int) and config.max_capacity_prompt > floor,
+                 "max_capacity_prompt",
+                 f"must be an integer larger than {floor_name}={floor}, got {config.max_capacity_prompt!r}")
+        return
+    _require(config.max_capacity_prompt is None, "ratio", "give max_capacity_prompt (tokens kept) or ratio (a "
+             f"share of each prompt), not both; got max_capacity_prompt={config.max_capacity_prompt!r}")
+    _require(isinstance(config.ratio, (int, float)) and not isinstance(config.ratio, bool) and 0 < config.ratio <= 1,
+             "ratio", f"must be a share of the prompt in (0, 1], e.g. 0.5, got {config.ratio!r}")
+    _require(isinstance(config.min_capacity_prompt, int) and config.min_capacity_prompt > floor,
+             "min_capacity_prompt",
+             f"must be an integer larger than {floor_name}={floor}, got {config.min_capacity_prompt!r}")
+
+
+class _Budget:
+    """What the method configs share about their budget."""
+
+    def for_prompt(self, prompt_tokens: int):
+        """This config with its budget in tokens for a prompt of ``prompt_tokens``: a ``ratio``
+        becomes ``max(min_capacity_prompt, ceil(ratio * prompt_tokens))`` (a prompt no longer than
+        that is kept whole); a budget in tokens is returned as it is."""
+        if self.ratio is None:
+            return self
+        budget = max(self.min_capacity_prompt, math.ceil(self.ratio * prompt_tokens))
+        return replace(self, max_capacity_prompt=budget, ratio=None)
+
+
 @dataclass(frozen=True)
-class SnapKVConfig:
+class SnapKVConfig(_Budget):
     """SnapKV (Li et al. 2024): keep the prefix positions that the last ``window_size`` prompt
     queries attend to most, clustered by 1-D pooling, plus the whole observation window.
 
     ``max_capacity_prompt`` is the number of prompt positions kept per layer and KV head
-    (window included). Prompts of at most that many tokens are not compressed.
+    (window included; default 1024). Prompts of at most that many tokens are not compressed.
+    Or give ``ratio``, the share of each prompt to keep (``ratio=0.5`` keeps half), never fewer
+    than ``min_capacity_prompt`` tokens (default 128): short prompts are not cut to nothing.
     """
 
-    max_capacity_prompt: int = 1024
+    max_capacity_prompt: int | None = None
     window_size: int = 32
     kernel_size: int = 7
     pooling: str = "max"
+    ratio: float | None = None
+    min_capacity_prompt: int = 128
 
     method = "snapkv"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.window_size, int) and self.window_size > 0, "window_size",
                  f"must be a positive integer, got {self.window_size!r}")
-        _require(isinstance(self.max_capacity_prompt, int) and self.max_capacity_prompt > self.window_size,
-                 "max_capacity_prompt",
-                 f"must be an integer larger than window_size={self.window_size}, got {self.max_capacity_prompt!r}")
+        _check_budget(self, "window_size", self.window_size)
         _require(isinstance(self.kernel_size, int) and self.kernel_size > 0 and self.kernel_size % 2 == 1,
                  "kernel_size", f"must be a positive odd integer, got {self.kernel_size!r}")
         _require(self.pooling in _POOLINGS, "pooling", f"must be one of {_POOLINGS}, got {self.pooling!r}")
@@ -75,38 +112,38 @@ class PyramidKVConfig(SnapKVConfig):
 
 
 @dataclass(frozen=True)
-class StreamingLLMConfig:
+class StreamingLLMConfig(_Budget):
     """StreamingLLM (Xiao et al. 2023): the first ``sink_tokens`` positions plus the most recent ones."""
 
-    max_capacity_prompt: int = 1024
+    max_capacity_prompt: int | None = None
     sink_tokens: int = 4
+    ratio: float | None = None
+    min_capacity_prompt: int = 128
 
     method = "streamingllm"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0, "sink_tokens",
                  f"must be a non-negative integer, got {self.sink_tokens!r}")
-        _require(isinstance(self.max_capacity_prompt, int) and self.max_capacity_prompt > self.sink_tokens,
-                 "max_capacity_prompt",
-                 f"must be an integer larger than sink_tokens={self.sink_tokens}, got {self.max_capacity_prompt!r}")
+        _check_budget(self, "sink_tokens", self.sink_tokens)
 
     def budget_for_layer(self, layer_idx: int, num_layers: int) -> int:
         return self.max_capacity_prompt
 
 
 @dataclass(frozen=True)
-class _RecentWindowConfig:
+class _RecentWindowConfig(_Budget):
     """Shared by the methods that keep the last ``recent_size`` positions plus scored prefix ones."""
 
-    max_capacity_prompt: int = 1024
+    max_capacity_prompt: int | None = None
     recent_size: int = 32
+    ratio: float | None = None
+    min_capacity_prompt: int = 128
 
     def __post_init__(self) -> None:
         _require(isinstance(self.recent_size, int) and self.recent_size > 0, "recent_size",
                  f"must be a positive integer, got {self.recent_size!r}")
-        _require(isinstance(self.max_capacity_prompt, int) and self.max_capacity_prompt > self.recent_size,
-                 "max_capacity_prompt",
-                 f"must be an integer larger than recent_size={self.recent_size}, got {self.max_capacity_prompt!r}")
+        _check_budget(self, "recent_size", self.recent_size)
 
     def budget_for_layer(self, layer_idx: int, num_layers: int) -> int:
         return self.max_capacity_prompt

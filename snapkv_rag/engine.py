@@ -359,6 +359,8 @@ class SnapKVLLM:
         if not all(isinstance(s, str) for s in stop):
             raise TypeError("stop: expected a string or a list of strings")
         config = self.default_snapkv if "snapkv" not in options else self._check_config(options["snapkv"])
+        if config is not None:  # a share of the prompt: of the longest in a padded batch
+            config = config.for_prompt(max(len(r.input_ids) for r in requests))
         limit = self.context_window
         for request in requests:
             if len(request.input_ids) + max_new > limit:
@@ -576,6 +578,7 @@ class SnapKVLLM:
         request = self._request([{"role": "user", "content": self._check_question(question)}], documents)
         settings = self._options({k: v for k, v in options.items() if k != "snapkv"}, request)
         settings.pop("config")
+        configs = {name: cfg and cfg.for_prompt(len(request.input_ids)) for name, cfg in configs.items()}
         branches = {name: (cfg, DynamicCache(config=self.model.config))
                     for name, cfg in configs.items() if cfg is not None}
         results: dict[str, GenerationResult] = {}

@@ -56,6 +56,8 @@ def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     (["--window", "0"], "--window: must be a positive integer, got 0"),
     (["--kernel", "4"], "--kernel: must be a positive odd integer, got 4"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+    (["--budget", "150%"], "argument --budget: 150%: a share of the prompt must be in (0%, 100%]"),
+    (["--budget", "half"], "argument --budget: half: expected a number of tokens (512) or a share of the prompt (50%)"),
 ])
 def test_cli_errors_speak_in_flags(tmp_path, flags, words):
     (tmp_path / "a.txt").write_text("alpha")
@@ -96,6 +98,17 @@ def test_help_is_fast_because_nothing_heavy_is_imported():
     assert out.stdout.strip() == "[]"
     helped = _cli("--help")
     assert helped.returncode == 0 and "``" not in helped.stdout and "--verbose" in _cli("ask", "--help").stdout
+
+
+def test_budget_as_a_share_reaches_the_engine(tmp_path, tiny_model, tokenizer):
+    tiny_model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "a.txt").write_text(" ".join(f"The river number {i} lies north." for i in range(80)))
+    out = _cli("ask", "Which river?", "--docs", str(tmp_path / "a.txt"), "--model", str(tmp_path / "model"),
+               "--budget", "25%", "--device", "cpu", "--json", "--max-new-tokens", "2")
+    assert out.returncode == 0, out.stderr
+    compression = json.loads(out.stdout)["compression"]
+    assert compression["kept_tokens"][0] == -(-compression["prompt_tokens"] // 4) > 128
 
 
 def test_budget_beyond_the_context_window_is_refused(tmp_path, tiny_model, tokenizer):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -200,3 +202,30 @@ def test_masked_decode_attention_equals_transformers_sdpa(tiny_model):
     want, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=module.scaling)
     got, _ = _make_wrapper("sdpa")(module, query, key, value, mask, dropout=0.0, scaling=module.scaling)
     torch.testing.assert_close(got, want)
+
+
+def test_budget_as_a_share_of_the_prompt(tiny_engine):
+    docs = filler_documents(6)
+    half = tiny_engine.generate("What lies north?", docs, snapkv=SnapKVConfig(ratio=0.5, window_size=8), max_new_tokens=4)
+    length = half.usage.prompt_tokens
+    assert half.compression.kept_tokens == [-(-length // 2)] * 2 and half.compression.ratio == pytest.approx(0.5, abs=0.01)
+    short = tiny_engine.generate("What lies north?", filler_documents(1), snapkv=SnapKVConfig(ratio=0.1, window_size=8,
+                                 min_capacity_prompt=64), max_new_tokens=4)
+    assert short.compression.kept_tokens == [min(64, short.usage.prompt_tokens)] * 2  # never below the minimum
+    by_tokens = tiny_engine.generate("What lies north?", docs, snapkv=SnapKVConfig(max_capacity_prompt=-(-length // 2),
+                                     window_size=8), max_new_tokens=4)
+    assert by_tokens.text == half.text  # the share resolves to the same budget in tokens
+    both = tiny_engine.compare("What lies north?", docs, methods={"half": SnapKVConfig(ratio=0.5, window_size=8)},
+                               max_new_tokens=4, hit_rate=False)
+    assert both.results["half"].compression.kept_tokens == half.compression.kept_tokens
+
+
+@pytest.mark.parametrize("bad,words", [
+    (dict(ratio=0), "ratio: must be a share of the prompt in (0, 1]"),
+    (dict(ratio=1.5), "ratio: must be a share of the prompt in (0, 1]"),
+    (dict(ratio=0.5, max_capacity_prompt=512), "give max_capacity_prompt (tokens kept) or ratio"),
+    (dict(ratio=0.5, min_capacity_prompt=16), "min_capacity_prompt: must be an integer larger than window_size=32"),
+])
+def test_a_share_is_validated(bad, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SnapKVConfig(**bad)

@@ -68,6 +68,8 @@ def test_full_cache_and_budget_per_call(chat):
     assert full["method"] == "full" and full["kept_tokens"][0] == full["prompt_tokens"]
     assert compressed["kept_tokens"][0] == 64 < compressed["prompt_tokens"]
     bound = chat.bind(snapkv=SnapKVConfig(max_capacity_prompt=64)).invoke("Which number?", documents=long_docs)
+    share = chat.invoke("Which number?", documents=long_docs, snapkv=SnapKVConfig(ratio=0.5))
+    assert share.response_metadata["compression"]["kept_tokens"][0] == -(-full["prompt_tokens"] // 2)
     same = {k: v for k, v in compressed.items() if k != "selection_ms"}  # all but a timing
     assert {k: v for k, v in bound.response_metadata["compression"].items() if k != "selection_ms"} == same
 
