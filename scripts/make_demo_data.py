@@ -3,7 +3,7 @@ middle of other questions' gold passages (distractors that hold none of its answ
 
 Run from the repo root with the shared data folder as argument; the output is committed:
 
-    python scripts/make_demo_data.py DATA_DIR [--keep 1]
+    python scripts/make_demo_data.py DATA_DIR [--keep 3]
 
 Candidates are drawn with a fixed seed. We keep the questions that the embedded model answers
 correctly under the full cache (about one in fifteen with ten documents), so that the demo shows
@@ -47,7 +47,7 @@ def candidates(data_dir: Path):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data_dir", type=Path)
-    parser.add_argument("--keep", type=int, default=1, help="questions to keep (default 1)")
+    parser.add_argument("--keep", type=int, default=3, help="questions to keep (default 3)")
     args = parser.parse_args()
     from snapkv_rag import SnapKVLLM
 
