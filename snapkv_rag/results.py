@@ -56,6 +56,16 @@ class GenerationResult:
         """The documents the answer cites, in citation order."""
         return [self.documents[n - 1] for n in self.citations]
 
+    def __repr__(self) -> str:
+        """One line: the answer, its citations and the figures; the documents by count only
+        (``to_dict()`` and the fields hold everything)."""
+        text = self.text if len(self.text) <= 80 else self.text[:77] + "..."
+        c = self.compression
+        return (f"GenerationResult(text={text!r}, citations={self.citations}, finish_reason={self.finish_reason!r}, "
+                f"{c.method}: kept {max(c.kept_tokens, default=0)}/{c.prompt_tokens} prompt tokens, "
+                f"{self.usage.completion_tokens} new, prefill {self.timings.prefill_s:.2f} s, "
+                f"decode {self.timings.decode_ms_per_token:.1f} ms/token, {len(self.documents)} documents)")
+
     def to_dict(self) -> dict:
         data = asdict(self)
         data.pop("documents")
