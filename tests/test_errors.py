@@ -92,3 +92,17 @@ def test_device_and_dtype_given_with_a_loaded_model_are_applied(tokenizer):
     engine = SnapKVLLM(model=tiny_llama(len(tokenizer)), tokenizer=tokenizer, device="cpu", dtype="bfloat16")
     assert engine.device == torch.device("cpu") and engine.model.dtype == torch.bfloat16
     still_works(engine)
+
+
+@pytest.mark.parametrize("native,device,given,expected", [
+    (True, "cpu", None, torch.bfloat16),      # a CPU that computes bfloat16 natively gets it by default
+    (False, "cpu", None, torch.float32),      # elsewhere bfloat16 is emulated and slower: float32
+    (True, "cpu", "float32", torch.float32),  # a dtype given always wins
+    (False, "cpu", "bfloat16", torch.bfloat16),
+])
+def test_default_dtype_follows_the_cpu(monkeypatch, native, device, given, expected):
+    from snapkv_rag import loading
+
+    monkeypatch.setattr(loading, "cpu_has_native_bfloat16", lambda: native)
+    assert loading.resolve_dtype(given, device) == expected
+
