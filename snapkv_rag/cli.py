@@ -192,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: the embedded "
                         "SmolLM2-135M-Instruct)")
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    common.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on GPU and "
-                        "on CPUs with native bfloat16, else float32)")
+    common.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on GPU, "
+                        "float32 on CPU)")
     common.add_argument("--budget", type=budget_value, default=None, help="prompt tokens kept per layer and KV "
                         "head (512), or a share of each prompt (50%%, never below 128 tokens); default 1024 tokens")
     common.add_argument("--window", type=int, default=None, help="observation window (default 32)")

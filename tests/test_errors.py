@@ -94,15 +94,16 @@ def test_device_and_dtype_given_with_a_loaded_model_are_applied(tokenizer):
     still_works(engine)
 
 
-@pytest.mark.parametrize("native,device,given,expected", [
-    (True, "cpu", None, torch.bfloat16),      # a CPU that computes bfloat16 natively gets it by default
-    (False, "cpu", None, torch.float32),      # elsewhere bfloat16 is emulated and slower: float32
-    (True, "cpu", "float32", torch.float32),  # a dtype given always wins
-    (False, "cpu", "bfloat16", torch.bfloat16),
+@pytest.mark.parametrize("native,given,expected,warned", [
+    (True, None, torch.float32, False),       # the CPU default stays float32: bfloat16 changes answers
+    (False, None, torch.float32, False),
+    (True, "bfloat16", torch.bfloat16, False),  # a dtype given always wins
+    (False, "bfloat16", torch.bfloat16, True),  # ... and where it is only emulated, the log says so
 ])
-def test_default_dtype_follows_the_cpu(monkeypatch, native, device, given, expected):
+def test_cpu_dtype_default_and_emulated_bfloat16(monkeypatch, caplog, native, given, expected, warned):
     from snapkv_rag import loading
 
     monkeypatch.setattr(loading, "cpu_has_native_bfloat16", lambda: native)
-    assert loading.resolve_dtype(given, device) == expected
-
+    with caplog.at_level("WARNING", logger="snapkv_rag.loading"):
+        assert loading.resolve_dtype(given, "cpu") == expected
+    assert ("emulated" in caplog.text) == warned
