@@ -33,7 +33,7 @@ class EngineFields(BaseModel):
     tokenizer: Any = Field(default=None, exclude=True)
     device: str | None = None
     dtype: Any = None
-    attn_implementation: str = "sdpa"
+    attn_implementation: str | None = None
     instruction: str | None = None
     """The citing instruction placed before the question (``None``: the engine's default)."""
     trust_remote_code: bool = False

@@ -54,7 +54,7 @@ class SnapKVLLM(CustomLLM):
     tokenizer: Any = Field(default=None, exclude=True)
     device: str | None = None
     dtype: Any = None
-    attn_implementation: str = "sdpa"
+    attn_implementation: str | None = None
     instruction: str | None = None
     trust_remote_code: bool = False
     snapkv: Any = Field(default=None, description="Compression config, False for the full cache, None: engine's.")
