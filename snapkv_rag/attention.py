@@ -76,7 +76,7 @@ def _make_wrapper(base: str):
             return _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
         if layer.pending is not None:  # the prompt: attend as the model does, then compress
             output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
-            cache.prefill_attention(module.layer_idx, query, scoring_of(module, kwargs))
+            cache.prefill_attention(module.layer_idx, query, key, scoring_of(module, kwargs))
             return output
         if layer.valid is None:  # every slot open: the base implementation as it is
             output = _base_function(base, module)(module, query, key, value, None, *args, **kwargs)

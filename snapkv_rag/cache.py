@@ -186,10 +186,10 @@ class KVCache(DynamicCache):
         slots for decoding."""
         self._prefill = (siblings, real_lengths, room)
 
-    def prefill_attention(self, layer_idx: int, query: torch.Tensor, scoring: Scoring) -> None:
-        """Called right after layer ``layer_idx`` attended over the prompt."""
+    def prefill_attention(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scoring: Scoring) -> None:
+        """Called right after layer ``layer_idx`` attended over the prompt with ``query`` and ``key``."""
         siblings, real_lengths, room = self._prefill
-        compress_layer([self, *siblings], layer_idx, query, scoring, real_lengths, room)
+        compress_layer([self, *siblings], layer_idx, query, key, scoring, real_lengths, room)
 
     def close_prefill(self) -> None:
         """After the prompt's forward pass: every attention layer must have been stored, and the
@@ -266,14 +266,18 @@ class Scoring:
         return {"scale": self.scale, "softcap": self.softcap, "sinks": self.sinks}
 
 
-def compress_layer(caches: list[KVCache], layer_idx: int, query: torch.Tensor, scoring: Scoring,
-                   real_lengths: list[int], room: int) -> None:
+def compress_layer(caches: list[KVCache], layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor,
+                   scoring: Scoring, real_lengths: list[int], room: int) -> None:
     """Write layer ``layer_idx`` of every cache from the prompt K/V pending in the first one.
 
     Each row is selected in its own coordinates (a padded row alone, without its pads), so that a
-    request keeps the same positions in a batch as alone. ``query`` is ``[B, H, L, D]``.
+    request keeps the same positions in a batch as alone. ``query`` is ``[B, H, L, D]`` and
+    ``vote_keys`` the keys the attention used: the cached keys themselves, except for multi-head
+    latent attention, which caches one latent for all heads and expands it into per-head keys; there
+    one selection is shared by all heads, from their votes averaged.
     """
     keys, values = caches[0].layers[layer_idx].pending
+    latent = vote_keys.shape != keys.shape
     batch, length = keys.shape[0], keys.shape[-2]
     spec = caches[0].specs[layer_idx]
     num_layers = len(caches[0].specs)
@@ -292,11 +296,15 @@ def compress_layer(caches: list[KVCache], layer_idx: int, query: torch.Tensor, s
             k, v, q = keys[rows_slice, :, start:], values[rows_slice, :, start:], query[rows_slice, :, start:]
             if cache.method is None or k.shape[-2] == 0:
                 kept = torch.arange(k.shape[-2], device=k.device).expand(k.shape[0], k.shape[1], -1)
-                picked.append((k, v, kept, start))
+            elif latent:
+                voters = vote_keys[rows_slice, :, start:]
+                kept = compression.select(cache.method, q, voters, voters, None, layer_idx, num_layers, shared=True,
+                                          **scoring.as_kwargs())[2][:, :1].expand(k.shape[0], k.shape[1], -1)
+                k, v = compression.gather_positions(k, kept), compression.gather_positions(v, kept)
             else:
                 k, v, kept = compression.select(cache.method, q, k, v, None, layer_idx, num_layers,
                                                 **scoring.as_kwargs())
-                picked.append((k, v, kept, start))
+            picked.append((k, v, kept, start))
         cache.layers[layer_idx].store(*_right_aligned(picked, length, real_lengths, uniform), room=room)
         cache.selection_s += time.perf_counter() - begin
     caches[0].layers[layer_idx].pending = None

@@ -76,6 +76,8 @@ class _Recorder:
         slots = layer.prompt_slots
         probs = compression.attention_probs(query[..., -1:, :], keys, None, **scoring.as_kwargs())
         probs = probs.sum(dim=-2).mean(dim=2)[..., :slots]  # [1, H_kv, slots]
+        if probs.shape[1] != layer.positions.shape[1]:  # latent attention: one latent for all heads
+            probs = probs.mean(dim=1, keepdim=True)
         where = layer.positions[:, :, :slots].clamp(min=0)
         total = torch.zeros((*probs.shape[:2], self.length), dtype=probs.dtype, device=probs.device)
         total.scatter_add_(-1, where, probs * (layer.positions[:, :, :slots] >= 0))

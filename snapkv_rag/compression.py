@@ -122,11 +122,13 @@ def gather_positions(states: torch.Tensor, positions: torch.Tensor) -> torch.Ten
 
 def snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                   config: SnapKVConfig, attention_mask: torch.Tensor | None = None, *, capacity: int | None = None,
-                  **scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  shared: bool = False, **scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SnapKV, steps 1–5 of the paper: returns ``(keys, values, kept_positions)``.
 
     ``query_window`` is ``[B, H, w, D]``: the last ``w`` prompt queries. ``capacity`` overrides
     ``config.max_capacity_prompt`` (per-layer budgets). When ``L <= capacity`` nothing is dropped.
+    ``shared``: one selection for all heads, from their votes averaged (multi-head latent attention
+    caches one latent for every head); the K/V returned are then those of the first head.
     """
     capacity = config.max_capacity_prompt if capacity is None else capacity
     length = key_states.shape[-2]
@@ -135,6 +137,8 @@ def snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, value_st
     window = min(config.window_size, query_window.shape[-2])
     votes = snapkv_votes(query_window[..., -window:, :], key_states, attention_mask, **scoring)
     votes = votes[..., : length - window]
+    if shared:
+        votes, key_states, value_states = votes.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
     pooled = pool_votes(votes, config.kernel_size, config.pooling)
     return keep_top(pooled, key_states, value_states, capacity, window, attention_mask)
 
@@ -152,7 +156,7 @@ def streaming_select(key_states: torch.Tensor, value_states: torch.Tensor, confi
 
 
 def h2o_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, config: H2OConfig,
-               attention_mask: torch.Tensor | None = None, *, chunk: int = 512, **scoring
+               attention_mask: torch.Tensor | None = None, *, chunk: int = 512, shared: bool = False, **scoring
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """H2O-style: attention accumulated over every prompt query (``query`` is ``[B, H, L, D]``),
     computed in chunks of queries so that no ``L x L`` matrix is held at once."""
@@ -168,6 +172,8 @@ def h2o_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torc
         part = F.pad(probs.sum(dim=-2).mean(dim=2), (0, length - stop))
         totals = part if totals is None else totals + part
     recent = config.recent_size
+    if shared:  # one selection for all heads (see snapkv_select)
+        totals, key_states, value_states = totals.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
     return keep_top(totals[..., : length - recent], key_states, value_states, config.max_capacity_prompt, recent,
                     attention_mask)
 
@@ -184,18 +190,21 @@ def random_select(key_states: torch.Tensor, value_states: torch.Tensor, config: 
 
 
 def select(config, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-           attention_mask: torch.Tensor | None, layer_idx: int, num_layers: int, **scoring
+           attention_mask: torch.Tensor | None, layer_idx: int, num_layers: int, *, shared: bool = False, **scoring
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dispatch one layer to its method. ``query`` holds all prompt queries ``[B, H, L, D]``; the
-    window methods only look at its end. ``scoring``: the layer's ``scale``, ``softcap``, ``sinks``."""
+    window methods only look at its end. ``scoring``: the layer's ``scale``, ``softcap``, ``sinks``;
+    ``shared``: one selection for all heads (see :func:`snapkv_select`)."""
+    if shared and not isinstance(config, (SnapKVConfig, H2OConfig)):  # positions only: any head will do
+        key_states, value_states = key_states[:, :1], value_states[:, :1]
     if isinstance(config, SnapKVConfig):  # PyramidKVConfig included: only the budget differs
         capacity = config.budget_for_layer(layer_idx, num_layers)
         return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
-                             capacity=capacity, **scoring)
+                             capacity=capacity, shared=shared, **scoring)
     if isinstance(config, StreamingLLMConfig):
         return streaming_select(key_states, value_states, config, attention_mask)
     if isinstance(config, H2OConfig):
-        return h2o_select(query, key_states, value_states, config, attention_mask, **scoring)
+        return h2o_select(query, key_states, value_states, config, attention_mask, shared=shared, **scoring)
     if isinstance(config, RandomConfig):
         return random_select(key_states, value_states, config, attention_mask, layer_idx=layer_idx)
     raise TypeError(f"snapkv: expected a compression config (SnapKVConfig, StreamingLLMConfig, H2OConfig, "
