@@ -207,3 +207,36 @@ def test_compare_equals_generate_for_every_method(family):
         assert both.results[name].text == alone.text, name
         assert both.results[name].compression.kept_tokens == alone.compression.kept_tokens, name
     assert set(both.hit_rate) == set(methods) - {"full"}
+
+
+def test_a_model_without_sdpa_falls_back_to_eager_with_one_log_line(tokenizer, caplog):
+    model = model_of("gemma2", len(tokenizer))
+    with caplog.at_level("INFO", logger="snapkv_rag"):
+        llm = SnapKVLLM(model=model, tokenizer=tokenizer)
+    assert llm.attn_implementation == "eager"
+    lines = [r.getMessage() for r in caplog.records if r.name == "snapkv_rag"]
+    assert len(lines) == 1 and "eager" in lines[0] and "Gemma2ForCausalLM" in lines[0]
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM cannot run 'sdpa'.*'eager'"):
+        SnapKVLLM(model=model, tokenizer=tokenizer, attn_implementation="sdpa")
+    assert llm.generate(QUESTION, filler_documents(2), snapkv=BUDGET, max_new_tokens=4).usage.completion_tokens > 0
+
+
+def test_mlp_slicing_runs_moe_mlps_that_return_router_logits_whole(tokenizer):
+    """GPT-OSS's MLP returns (output, router logits): sliced prefill must not break on it."""
+    model = model_of("gpt-oss", len(tokenizer))
+    sliced = SnapKVLLM(model=model, tokenizer=tokenizer, prefill_chunk=16)
+    whole = SnapKVLLM(model=model, tokenizer=tokenizer, prefill_chunk=None)
+    docs = filler_documents(3)
+    a, b = (llm.generate(QUESTION, docs, snapkv=BUDGET, max_new_tokens=8) for llm in (sliced, whole))
+    assert a.usage.prompt_tokens > 16 and a.text == b.text
+    assert a.compression.kept_tokens == b.compression.kept_tokens
+
+
+def test_closing_the_engine_gives_the_model_its_attention_back(tokenizer):
+    model = model_of("llama", len(tokenizer))
+    before = model.config._attn_implementation.removeprefix("snapkv_")
+    llm = SnapKVLLM(model=model, tokenizer=tokenizer)
+    assert model.config._attn_implementation == "snapkv_sdpa"
+    llm.close()
+    assert model.config._attn_implementation == before == "sdpa"
+    assert llm.generate(QUESTION, max_new_tokens=2).usage.completion_tokens > 0  # it re-attaches when used
