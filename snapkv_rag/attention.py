@@ -64,8 +64,16 @@ def grouped_sdpa(module, query, key, value, mask, scaling):
     every KV head ``H / H_kv`` times when a mask is given, which costs more than the attention."""
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scaling if scaling is not None else module.scaling,
-        enable_gqa=query.shape[1] != key.shape[1])
+        enable_gqa=_grouped(module, query, key))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _grouped(module, query, key) -> bool:
+    """Whether query heads share KV heads, as a plain bool: from the layer's own setting where it has
+    one (under torch.compile with dynamic shapes a comparison of shapes is symbolic, which SDPA's
+    ``enable_gqa`` does not take: it broke the compiled step into one graph per layer)."""
+    groups = getattr(module, "num_key_value_groups", None)
+    return groups != 1 if isinstance(groups, int) else bool(query.shape[1] != key.shape[1])
 
 
 def _make_wrapper(base: str):

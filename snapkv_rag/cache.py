@@ -243,6 +243,9 @@ class KVCache(DynamicCache):
                 return None
         for _, layer in self.attention_layers:
             layer.slot = slot
+            if layer.keys.is_cuda:  # written in place by every step: CUDA graphs need them at fixed addresses
+                for buffer in (layer.keys, layer.values):  # (no guard: a new request's buffers re-capture)
+                    torch._dynamo.mark_static_address(buffer, guard=False)
         return slot
 
     def copy_recurrent_from(self, other: KVCache) -> None:
@@ -286,7 +289,7 @@ def compress_layer(caches: list[KVCache], layer_idx: int, query: torch.Tensor, v
         share = real if spec.kind == FULL else min(real, spec.window - 1)
         starts.append(length - share)
     for cache in caches:
-        begin = time.perf_counter()
+        begin = _clock(keys)
         # rows of equal length select together; otherwise (and for the seeded random baseline, whose
         # draws depend on the batch shape) each row alone
         uniform = len(set(real_lengths)) == 1 and not isinstance(cache.method, RandomConfig)
@@ -306,8 +309,16 @@ def compress_layer(caches: list[KVCache], layer_idx: int, query: torch.Tensor, v
                                                 **scoring.as_kwargs())
             picked.append((k, v, kept, start))
         cache.layers[layer_idx].store(*_right_aligned(picked, length, real_lengths, uniform), room=room)
-        cache.selection_s += time.perf_counter() - begin
+        cache.selection_s += _clock(keys) - begin
     caches[0].layers[layer_idx].pending = None
+
+
+def _clock(tensor: torch.Tensor) -> float:
+    """``perf_counter`` once the device has finished the work queued so far: on CUDA, kernels run
+    after their launch returns, so an unsynchronised clock would time the launches only."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter()
 
 
 def _right_aligned(picked, length, real_lengths, uniform):

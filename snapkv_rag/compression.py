@@ -184,7 +184,7 @@ def random_select(key_states: torch.Tensor, value_states: torch.Tensor, config: 
     """Uniformly random prefix positions (seeded per layer) plus the recent window."""
     b, h_kv, length, _ = key_states.shape
     generator = torch.Generator(device="cpu").manual_seed(config.seed * 1_000_003 + layer_idx)
-    scores = torch.rand((b, h_kv, max(length - config.recent_size, 0)), generator=generator)
+    scores = torch.rand((b, h_kv, max(length - config.recent_size, 0)), generator=generator, device="cpu")
     return keep_top(scores.to(key_states.device), key_states, value_states, config.max_capacity_prompt,
                     config.recent_size, attention_mask)
 

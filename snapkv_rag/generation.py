@@ -58,12 +58,19 @@ class Token:
 @dataclass(frozen=True)
 class Finished:
     """Row ``row`` is done: ``reason`` is ``"stop"`` (end of sequence, or the caller stopped it) or
-    ``"length"``; ``steps`` decode forward passes ran for it, taking ``decode_s`` seconds."""
+    ``"length"``; the decode forward passes that ran for it took ``step_ms`` each."""
 
     row: int
     reason: str
-    steps: int
-    decode_s: float
+    step_ms: tuple[float, ...]
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_ms)
+
+    @property
+    def ms_per_token(self) -> float:
+        return sum(self.step_ms) / len(self.step_ms) if self.step_ms else 0.0
 
 
 @dataclass
@@ -200,7 +207,7 @@ def decode(runner: Runner, pre: Prefilled, name: str, options: SamplingOptions,
         generator = torch.Generator().manual_seed(seed)
     compiled = bool(runner.compile) and cache.recorder is None and cache.make_static() is not None
     positions = torch.tensor(pre.batch.lengths, device=runner.device)
-    logits, steps, decode_s = pre.logits, 0, 0.0
+    logits, step_ms = pre.logits, []
     done: set[int] = set()
     for step in range(options.max_new_tokens):
         tokens = sample(logits, options, generator)
@@ -209,20 +216,19 @@ def decode(runner: Runner, pre: Prefilled, name: str, options: SamplingOptions,
                 continue
             if row in stopped or int(tokens[row]) in runner.eos_ids:
                 done.add(row)
-                yield Finished(row, "stop", steps, decode_s)
+                yield Finished(row, "stop", tuple(step_ms))
             else:
                 yield Token(row, int(tokens[row]))
                 if row in stopped:  # the caller stopped it on this very token
                     done.add(row)
-                    yield Finished(row, "stop", steps, decode_s)
+                    yield Finished(row, "stop", tuple(step_ms))
         if len(done) == batch or step == options.max_new_tokens - 1:
             break
         begin = time.perf_counter()
-        logits = decode_step(runner, cache, tokens, positions, compiled)
-        decode_s += time.perf_counter() - begin - (cache.record_s if cache.recorder is not None else 0.0)
+        logits = decode_step(runner, cache, tokens, positions, compiled)  # synchronised on CUDA
+        step_ms.append(1000 * (time.perf_counter() - begin - cache.record_s))
         cache.record_s = 0.0
         positions = positions + 1
-        steps += 1
     for row in range(batch):
         if row not in done:
-            yield Finished(row, "length", steps, decode_s)
+            yield Finished(row, "length", tuple(step_ms))

@@ -32,8 +32,13 @@ class CompressionStats:
 
 @dataclass
 class Timings:
+    """Wall-clock times of one generation (on CUDA, synchronised: the work, not its launch).
+    ``decode_step_ms`` has one entry per decode step, so that first-step costs (compilation,
+    CUDA-graph capture) can be told apart from the steady state."""
+
     prefill_s: float
     decode_ms_per_token: float
+    decode_step_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -71,5 +76,6 @@ def build_result(row_text, documents: list[Document], prompt_tokens: int, cache,
         text=row_text.text, citations=parse_citations(row_text.text, len(documents)),
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(row_text.token_ids)),
         compression=compression,
-        timings=Timings(prefill_s=prefill_s, decode_ms_per_token=row_text.decode_ms_per_token),
+        timings=Timings(prefill_s=prefill_s, decode_ms_per_token=row_text.decode_ms_per_token,
+                        decode_step_ms=list(row_text.decode_step_ms)),
         finish_reason=row_text.finish_reason, documents=documents)

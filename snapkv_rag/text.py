@@ -34,6 +34,7 @@ class RowText:
     finish_reason: str
     token_ids: list[int]
     decode_ms_per_token: float
+    decode_step_ms: tuple[float, ...] = ()
 
 
 def check_question(question) -> str:
@@ -136,6 +137,5 @@ def decode_text(runner: Runner, tokenizer, pre: Prefilled, name: str, options: S
     finally:
         events.close()
     return [RowText(text=state.text, finish_reason=state.finished or "length", token_ids=state.ids,
-                    decode_ms_per_token=1000 * finished[row].decode_s / finished[row].steps
-                    if finished[row].steps else 0.0)
+                    decode_ms_per_token=finished[row].ms_per_token, decode_step_ms=finished[row].step_ms)
             for row, state in enumerate(states)]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from snapkv_rag import SnapKVLLM, loading
@@ -10,9 +13,17 @@ from snapkv_rag import SnapKVLLM, loading
 from snapkv_testing import tiny_llama
 
 
+# The engine's tiny-model tests can run on another device and dtype (the GPU check does, on CUDA
+# in bfloat16), with a tokenizer folder of their own where the embedded model is not installed.
+if os.environ.get("SNAPKV_TEST_DEVICE"):
+    torch.set_default_device(os.environ["SNAPKV_TEST_DEVICE"])
+if os.environ.get("SNAPKV_TEST_DTYPE"):
+    torch.set_default_dtype(getattr(torch, os.environ["SNAPKV_TEST_DTYPE"]))
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(loading.default_model_dir())
+    return AutoTokenizer.from_pretrained(os.environ.get("SNAPKV_TEST_TOKENIZER") or loading.default_model_dir())
 
 
 @pytest.fixture(scope="session")

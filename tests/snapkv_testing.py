@@ -15,6 +15,18 @@ def tiny_llama(vocab_size: int, seed: int = 0, **overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A seeded generator on the device tensors are made on (the GPU check runs these tests on CUDA)."""
+    return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+
+
+def cache_kwarg(model) -> str:
+    """The name a model's forward takes its KV cache under (``past_key_values`` in older transformers 5)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def filler_documents(count: int, words: int = 60) -> list[dict]:
     """Deterministic documents of about ``words`` words each."""
     topics = ["river", "mountain", "library", "harbour", "orchard", "railway", "castle", "market"]

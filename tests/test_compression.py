@@ -10,6 +10,8 @@ import torch
 from snapkv_rag import H2OConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
 from snapkv_rag.compression import h2o_select, random_select, snapkv_select, streaming_select
 
+from snapkv_testing import seeded
+
 
 def reference_votes(q, k, cfg):
     """Loop-by-loop SnapKV votes for one batch row: pooled prefix votes per KV head."""
@@ -35,7 +37,7 @@ def reference_votes(q, k, cfg):
 
 
 def random_qkv(batch=1, heads=4, kv_heads=2, length=40, window=4, dim=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     q = torch.randn(batch, heads, window, dim, generator=g)
     k = torch.randn(batch, kv_heads, length, dim, generator=g)
     v = torch.randn(batch, kv_heads, length, dim, generator=g)
@@ -124,7 +126,7 @@ def test_streaming_keeps_sinks_and_recent():
 def test_h2o_prefers_keys_every_query_attends_to():
     cfg = H2OConfig(max_capacity_prompt=8, recent_size=4)
     q, k, v = random_qkv(length=30, window=30)
-    shared = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    shared = torch.randn(8, generator=seeded(1))
     q = q + 2 * shared  # every query shares one direction...
     k[:, :, 7] = 3 * shared  # ...and one key points along it
     _, _, kept = h2o_select(q, k, v, cfg)

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from snapkv_rag import PyramidKVConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
 from snapkv_rag.compression import snapkv_select
 
-from snapkv_testing import capture_caches, filler_documents
+from snapkv_testing import cache_kwarg, capture_caches, filler_documents, seeded
 
 BUDGET = SnapKVConfig(max_capacity_prompt=64, window_size=8)
 
@@ -42,7 +42,7 @@ def test_decode_continues_at_original_positions(tiny_engine, tokenizer):
     hooks = [layer.self_attn.q_proj.register_forward_hook(
         lambda m, a, out, i=i: queries.__setitem__(i, out)) for i, layer in enumerate(model.model.layers)]
     with torch.inference_mode():
-        out = model(torch.tensor([ids]), cache=cache, use_cache=True)
+        out = model(torch.tensor([ids]), **{cache_kwarg(model): cache}, use_cache=True)
     for h in hooks:
         h.remove()
     # recompute the rotated window queries of each layer and compress that layer by hand
@@ -60,7 +60,7 @@ def test_decode_continues_at_original_positions(tiny_engine, tokenizer):
             if token in tiny_engine.runner.eos_ids:
                 break
             tokens.append(token)
-            logits = model(torch.tensor([[token]]), cache=cache, position_ids=torch.tensor([[length + step]]),
+            logits = model(torch.tensor([[token]]), **{cache_kwarg(model): cache}, position_ids=torch.tensor([[length + step]]),
                            use_cache=True).logits[:, -1]
     assert result.text == tokenizer.decode(tokens, skip_special_tokens=True)
 
@@ -193,7 +193,7 @@ def test_masked_decode_attention_equals_transformers_sdpa(tiny_model):
     from snapkv_rag.attention import grouped_sdpa
 
     module = tiny_model.model.layers[0].self_attn
-    g = torch.Generator().manual_seed(0)
+    g = seeded(0)
     query = torch.randn(2, 4, 1, 16, generator=g)
     key, value = torch.randn(2, 2, 50, 16, generator=g), torch.randn(2, 2, 50, 16, generator=g)
     mask = torch.ones(2, 1, 1, 50, dtype=torch.bool)
