@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator, Sequence
 from contextlib import closing
-from dataclasses import asdict
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -23,12 +22,11 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import Field, model_validator
 from snapkv_rag import GenerationResult
-from snapkv_rag.adapters import LOADING_DEFAULTS, engine_from, iterate_in_thread
+from snapkv_rag.adapters import LOADING_DEFAULTS, call_options, engine_from, iterate_in_thread, result_metadata
 
 from .citations import split_sources
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
-_CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "snapkv", "stop")
 
 
 class SnapKVLLM(CustomLLM):
@@ -82,12 +80,10 @@ class SnapKVLLM(CustomLLM):
 
     # ------------------------------------------------------------------ requests
     def _request(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(kwargs) - set(_CALL_OPTIONS) - {"documents", "formatted"})
-        if unknown:
-            raise TypeError(f"unexpected option(s) {', '.join(unknown)}; supported: documents, "
-                            f"{', '.join(_CALL_OPTIONS)}")
-        options = {name: kwargs.get(name, getattr(self, name)) for name in _CALL_OPTIONS}
-        options = {k: v for k, v in options.items() if v is not None}
+        fields = {name: getattr(self, name) for name in ("max_new_tokens", "temperature", "top_p", "seed", "snapkv",
+                                                         "stop")}
+        options = call_options(fields, {k: v for k, v in kwargs.items() if k not in ("documents", "formatted")},
+                               ("documents",))
         documents = kwargs.get("documents")
         if documents is None and self.parse_sources and messages and messages[-1]["role"] == "user":
             parsed = split_sources(messages[-1]["content"])
@@ -103,12 +99,7 @@ class SnapKVLLM(CustomLLM):
         return [*system, {"role": "user", "content": prompt}]
 
     def _details(self, result: GenerationResult) -> dict[str, Any]:
-        return {"citations": list(result.citations), "finish_reason": result.finish_reason,
-                "compression": asdict(result.compression), "timings": asdict(result.timings),
-                "usage": {"prompt_tokens": result.usage.prompt_tokens,
-                          "completion_tokens": result.usage.completion_tokens,
-                          "total_tokens": result.usage.total_tokens},
-                "model_name": self.engine.model_name}
+        return result_metadata(result, self.engine.model_name)
 
     def _completion(self, result: GenerationResult) -> CompletionResponse:
         return CompletionResponse(text=result.text, raw=result.to_dict(), additional_kwargs=self._details(result))
