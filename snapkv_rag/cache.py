@@ -92,6 +92,7 @@ class AttentionLayer(DynamicLayer):
         self.length = 0  # slots in use
         self.prompt_slots = 0
         self.valid: torch.Tensor | None = None  # [B, H_kv, length]: the slots this step may attend to
+        self.dense = False
         self.slot: torch.Tensor | None = None  # static mode: where the next token is written
 
     # ------------------------------------------------------------ what transformers calls
@@ -137,6 +138,8 @@ class AttentionLayer(DynamicLayer):
         self.positions[:, :, :s] = positions
         self.length = self.prompt_slots = s
         self.pending = None
+        # a full layer whose every slot holds a token never needs a decode mask
+        self.dense = self.spec.kind == FULL and bool((positions >= 0).all())
 
     def kept_counts(self) -> list[int]:
         """Per row, how many prompt positions this layer physically holds."""
@@ -145,6 +148,9 @@ class AttentionLayer(DynamicLayer):
     def begin_step(self, positions: torch.Tensor, steps: int = 1) -> None:
         """Before decoding tokens at ``positions`` ``[B]``: record them and work out which slots the
         step may attend to (``valid``; ``None``: all of them)."""
+        if self.dense and self.slot is None:  # nothing to mask, now or later: no bookkeeping per step
+            self.valid = None
+            return
         start, end = self.length, self.length + steps
         if end > self.positions.shape[-1]:
             if self.slot is not None:
