@@ -9,6 +9,8 @@
   masked out.
 - ``recurrent``: linear-attention / recurrent state (Qwen3-Next): transformers' own layer object,
   passed through untouched.
+- ``latent``: multi-head latent attention (DeepSeek-V2/V3): the cache holds one latent per token for
+  all heads; it is compressed like a full layer, with one selection shared by all heads.
 
 Every attention layer stores, next to its keys and values, the original position of each slot in
 its row's own coordinates (``-1``: an empty slot, e.g. a short row of a padded batch), per KV head.
@@ -31,7 +33,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from . import compression
 from .config import RandomConfig
 
-FULL, SLIDING, RECURRENT = "full", "sliding", "recurrent"
+FULL, SLIDING, RECURRENT, LATENT = "full", "sliding", "recurrent", "latent"
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def layer_specs(config) -> list[LayerSpec]:
         if isinstance(layer, DynamicSlidingWindowLayer):
             specs.append(LayerSpec(SLIDING, int(layer.sliding_window)))
         elif type(layer) is DynamicLayer:
-            specs.append(LayerSpec(FULL))
+            specs.append(LayerSpec(LATENT if getattr(text, "kv_lora_rank", None) else FULL))
         elif "LinearAttention" in type(layer).__name__ and not isinstance(layer, DynamicLayer):
             specs.append(LayerSpec(RECURRENT))
         else:
@@ -139,7 +141,7 @@ class AttentionLayer(DynamicLayer):
         self.length = self.prompt_slots = s
         self.pending = None
         # a full layer whose every slot holds a token never needs a decode mask
-        self.dense = self.spec.kind == FULL and bool((positions >= 0).all())
+        self.dense = self.spec.kind in (FULL, LATENT) and bool((positions >= 0).all())
 
     def kept_counts(self) -> list[int]:
         """Per row, how many prompt positions this layer physically holds."""
@@ -225,7 +227,7 @@ class KVCache(DynamicCache):
         full = kept = 0
         for _, layer in self.attention_layers:
             per_token = layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
-            share = prompt_tokens if layer.spec.kind == FULL else min(prompt_tokens, layer.spec.window - 1)
+            share = prompt_tokens if layer.spec.window is None else min(prompt_tokens, layer.spec.window - 1)
             full += per_token * share
             kept += per_token * layer.kept_counts()[row]
         return full, kept
@@ -292,7 +294,7 @@ def compress_layer(caches: list[KVCache], layer_idx: int, query: torch.Tensor, v
     num_layers = len(caches[0].specs)
     starts = []  # per row: where its share of the prompt begins, in padded coordinates
     for real in real_lengths:
-        share = real if spec.kind == FULL else min(real, spec.window - 1)
+        share = real if spec.window is None else min(real, spec.window - 1)
         starts.append(length - share)
     for cache in caches:
         begin = _clock(keys)

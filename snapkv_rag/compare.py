@@ -9,6 +9,7 @@ most-attended positions that it kept.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -69,8 +70,6 @@ class _Recorder:
         self.totals: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer_idx, query, keys, scoring) -> None:
-        import time
-
         begin = time.perf_counter()
         layer = self.cache.layers[layer_idx]
         slots = layer.prompt_slots

@@ -1,6 +1,6 @@
 """Generation as plain functions, top to bottom: ``prefill`` -> ``decode`` (``decode_step`` + ``sample``).
 
-    runner = Runner.for_model(model, eos_ids={2}, pad_id=2)
+    runner = Runner(model, eos_ids=frozenset({2}), pad_id=2)            # a transformers causal LM
     batch = Batch.of([[1, 5, 9, ...], [1, 7, ...]], pad_id=2)           # token ids, left padded
     pre = prefill(runner, batch, {"snapkv": SnapKVConfig(), "full": None}, room=32)
     for event in decode(runner, pre, "snapkv", SamplingOptions(max_new_tokens=32)):

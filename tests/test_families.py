@@ -240,3 +240,18 @@ def test_closing_the_engine_gives_the_model_its_attention_back(tokenizer):
     llm.close()
     assert model.config._attn_implementation == before == "sdpa"
     assert llm.generate(QUESTION, max_new_tokens=2).usage.completion_tokens > 0  # it re-attaches when used
+
+
+def test_an_unsupported_layer_kind_is_refused_before_any_work_naming_the_model_type(tokenizer):
+    from snapkv_rag.cache import UnsupportedModelError
+    from snapkv_testing import tiny_llama
+
+    model = tiny_llama(len(tokenizer), layer_types=["chunked_attention", "full_attention"])
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(UnsupportedModelError, match="model type 'llama' has chunked_attention layers.*supports"):
+            SnapKVLLM(model=model, tokenizer=tokenizer)
+    finally:
+        handle.remove()
+    assert calls == []

@@ -11,46 +11,22 @@ from typing import Any
 
 from langchain_core.documents import Document as LCDocument
 from langchain_core.messages.ai import UsageMetadata
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 from snapkv_rag import Document, GenerationResult
-from snapkv_rag.adapters import LOADING_DEFAULTS, call_options, engine_from, result_metadata
+from snapkv_rag.adapter_fields import EngineSpec
+from snapkv_rag.adapters import call_options, result_metadata
 
 __all__ = ["EngineFields", "to_engine_documents", "usage_metadata", "result_metadata"]
 
 
-class EngineFields(BaseModel):
-    """The engine's own parameters, or an existing ``engine`` to share one loaded model."""
+class EngineFields(EngineSpec):
+    """The engine's fields (shared with the LlamaIndex adapter), LangChain's name for the number of
+    tokens to generate, and streaming to callbacks."""
 
-    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
-
-    engine: Any = Field(default=None, exclude=True)
-    """An already loaded :class:`snapkv_rag.SnapKVLLM`; built from the fields below when omitted."""
-    model: Any = None
-    """A model folder, ``.gguf`` file, hub id or loaded transformers model; ``None``: the embedded
-    SmolLM2-135M-Instruct."""
-    tokenizer: Any = Field(default=None, exclude=True)
-    device: str | None = None
-    dtype: Any = None
-    attn_implementation: str | None = None
-    instruction: str | None = None
-    """The citing instruction placed before the question (``None``: the engine's default)."""
-    trust_remote_code: bool = False
-    snapkv: Any = None
-    """A compression config (``SnapKVConfig(...)``), ``False`` for the full cache, or ``None`` to
-    keep the engine's default (SnapKV)."""
     max_tokens: int | None = Field(default=None, alias="max_new_tokens")
     """Tokens to generate (alias ``max_new_tokens``); ``None``: the engine's default."""
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
     streaming: bool = False
     """Stream tokens to the callbacks even on ``invoke``."""
-
-    @model_validator(mode="after")
-    def _attach_engine(self) -> EngineFields:
-        self.engine = engine_from(self.engine, self.snapkv, **{name: getattr(self, name) for name in LOADING_DEFAULTS})
-        return self
 
     @property
     def model_name(self) -> str:

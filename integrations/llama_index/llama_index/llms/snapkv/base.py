@@ -20,16 +20,17 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from pydantic import Field, model_validator
+from pydantic import Field
 from snapkv_rag import GenerationResult
-from snapkv_rag.adapters import LOADING_DEFAULTS, call_options, engine_from, iterate_in_thread, result_metadata
+from snapkv_rag.adapter_fields import EngineSpec
+from snapkv_rag.adapters import CALL_OPTIONS, call_options, iterate_in_thread, result_metadata
 
 from .citations import split_sources
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
 
 
-class SnapKVLLM(CustomLLM):
+class SnapKVLLM(EngineSpec, CustomLLM):
     """LlamaIndex LLM over a SnapKV-compressed KV cache (one :class:`snapkv_rag.SnapKVLLM` engine).
 
     >>> from llama_index.core import Settings, VectorStoreIndex
@@ -47,26 +48,8 @@ class SnapKVLLM(CustomLLM):
     ``raw`` = ``GenerationResult.to_dict()``.
     """
 
-    engine: Any = Field(default=None, exclude=True, description="An already loaded snapkv_rag.SnapKVLLM.")
-    model: Any = Field(default=None, description="Model folder, .gguf, hub id or loaded model; None: embedded.")
-    tokenizer: Any = Field(default=None, exclude=True)
-    device: str | None = None
-    dtype: Any = None
-    attn_implementation: str | None = None
-    instruction: str | None = None
-    trust_remote_code: bool = False
-    snapkv: Any = Field(default=None, description="Compression config, False for the full cache, None: engine's.")
     max_new_tokens: int | None = Field(default=None, description="None: the engine's default.")
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
     parse_sources: bool = Field(default=True, description="Pass CitationQueryEngine's sources as documents.")
-
-    @model_validator(mode="after")
-    def _attach_engine(self) -> SnapKVLLM:
-        self.engine = engine_from(self.engine, self.snapkv, **{name: getattr(self, name) for name in LOADING_DEFAULTS})
-        return self
 
     @classmethod
     def class_name(cls) -> str:
@@ -80,8 +63,7 @@ class SnapKVLLM(CustomLLM):
 
     # ------------------------------------------------------------------ requests
     def _request(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> dict[str, Any]:
-        fields = {name: getattr(self, name) for name in ("max_new_tokens", "temperature", "top_p", "seed", "snapkv",
-                                                         "stop")}
+        fields = {name: getattr(self, name) for name in CALL_OPTIONS}
         options = call_options(fields, {k: v for k, v in kwargs.items() if k not in ("documents", "formatted")},
                                ("documents",))
         documents = kwargs.get("documents")
