@@ -22,30 +22,35 @@ sys.path.insert(0, str(HERE))
 from rag_prompts import build_prompt  # noqa: E402
 
 
-def decode_once(engine, pre, cache, kept, config, max_new_tokens: int):
-    events = engine._decode_from(pre, cache, kept, config, max_new_tokens=max_new_tokens, temperature=0.0,
-                                 top_p=1.0, stop=[], seed=None)
-    return engine._drain(events)[0]
+def decode_once(engine, pre, name: str, max_new_tokens: int):
+    """Decode one of the prefill's caches with ``engine``'s runner (plain or compiled), greedy."""
+    from snapkv_rag.generation import SamplingOptions
+    from snapkv_rag.text import decode_text
+
+    text = decode_text(engine.runner, engine.tokenizer, pre, name, SamplingOptions(max_new_tokens=max_new_tokens))
+    while True:
+        try:
+            next(text)
+        except StopIteration as done:
+            return done.value[0]
 
 
 def measure(plain, compiled, size: int, budget: int, max_new_tokens: int) -> list[dict]:
-    from transformers import DynamicCache
-
     from snapkv_rag import SnapKVConfig
+    from snapkv_rag.generation import Batch, prefill
 
     prompt = build_prompt(plain.tokenizer, size)
-    request = plain._request([{"role": "user", "content": prompt.question}], prompt.documents)
+    request = plain.request(prompt.question, prompt.documents)
     length = len(request.input_ids)
     methods = {"full": SnapKVConfig(max_capacity_prompt=length + 1), f"snapkv@{budget}": SnapKVConfig(
         max_capacity_prompt=budget)}
     order = ("plain", "compiled", "compiled", "plain")
-    branches = {f"{name}/{i}": (cfg, DynamicCache(config=plain.model.config))
-                for name, cfg in methods.items() for i in ["warm", *range(len(order))]}
-    pre = plain._prefill([request], None, branches)
-    for name, cfg in methods.items():  # compile once per cache shape, untimed
+    caches = {f"{name}/{i}": cfg for name, cfg in methods.items() for i in ["warm", *range(len(order))]}
+    pre = prefill(plain.runner, Batch.of([request.input_ids], plain.runner.pad_id, plain.device), caches,
+                  room=max_new_tokens)
+    for name in methods:  # compile once per cache shape, untimed
         start = time.perf_counter()
-        key = f"{name}/warm"
-        decode_once(compiled, pre, pre.plan.branches[key][1], pre.plan.branch_kept[key], cfg, max_new_tokens)
+        decode_once(compiled, pre, f"{name}/warm", max_new_tokens)
         print(f"  {length} {name}: first compiled call (compiles) {time.perf_counter() - start:.0f} s", flush=True)
     rows = []
     for name, cfg in methods.items():
@@ -54,9 +59,8 @@ def measure(plain, compiled, size: int, budget: int, max_new_tokens: int) -> lis
         for i, mode in enumerate(order):
             engine = plain if mode == "plain" else compiled
             key = f"{name}/{i}"
-            result = decode_once(engine, pre, pre.plan.branches[key][1], pre.plan.branch_kept[key], cfg,
-                                 max_new_tokens)
-            runs[mode].append(result.timings.decode_ms_per_token)
+            result = decode_once(engine, pre, key, max_new_tokens)
+            runs[mode].append(result.decode_ms_per_token)
             texts.add(result.text)
         plain_ms, compiled_ms = statistics.mean(runs["plain"]), statistics.mean(runs["compiled"])
         row = {"prompt_tokens": length, "method": name, "kept_tokens": min(length, cfg.max_capacity_prompt),

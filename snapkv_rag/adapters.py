@@ -1,20 +1,25 @@
-"""What every framework adapter needs from the engine: one shared engine built from the adapter's
-fields (or given), and blocking iterators turned into async ones without blocking the event loop."""
+"""The spec every framework adapter shares, written once: the fields that load a model
+(:data:`LOADING_DEFAULTS`, :func:`engine_from`), the per-call options (:data:`CALL_OPTIONS`,
+:func:`call_options`), what a result reports back (:func:`result_metadata`), and blocking iterators
+turned into async ones without blocking the event loop (:func:`iterate_in_thread`)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import closing
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
 
 from .engine import SnapKVLLM
+from .results import GenerationResult
+from .threads import iterate_in_thread
 
-T = TypeVar("T")
+__all__ = ["LOADING_DEFAULTS", "CALL_OPTIONS", "engine_from", "call_options", "result_metadata", "iterate_in_thread"]
+
+CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "snapkv", "stop")
+"""The engine options an adapter takes per call (or as a field: the call's value wins)."""
 
 LOADING_DEFAULTS: dict[str, Any] = {"model": None, "tokenizer": None, "device": None, "dtype": None,
-                                    "attn_implementation": "sdpa", "instruction": None, "trust_remote_code": False}
+                                    "attn_implementation": None, "instruction": None, "trust_remote_code": False}
 """The engine parameters that configure loading a model, with their defaults."""
 
 
@@ -38,38 +43,29 @@ def engine_from(engine: Any, snapkv: Any = None, **loading: Any) -> SnapKVLLM:
     return SnapKVLLM(**options)
 
 
-_DONE = object()
+def call_options(fields: Mapping[str, Any], kwargs: Mapping[str, Any], accepted: Sequence[str] = ()) -> dict[str, Any]:
+    """Engine options for one call: each of :data:`CALL_OPTIONS` from ``kwargs`` if given there, else
+    from the adapter's ``fields``; ``None`` means "the engine's default". Other ``kwargs`` besides
+    the adapter's own ``accepted`` ones are a TypeError naming them and what is supported."""
+    unknown = sorted(set(kwargs) - set(CALL_OPTIONS) - set(accepted))
+    if unknown:
+        raise TypeError(f"unexpected option(s) {', '.join(unknown)}; supported: "
+                        f"{', '.join((*accepted, *CALL_OPTIONS))}")
+    options = {name: kwargs[name] if name in kwargs else fields.get(name) for name in CALL_OPTIONS}
+    return {name: value for name, value in options.items() if value is not None}
 
 
-async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Create, advance and close a blocking iterator in one worker thread, yielding its items on
-    the event loop. A consumer that stops early closes it before this returns."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    stopped = threading.Event()
-
-    def produce() -> None:
-        outcome: Any = _DONE
-        try:
-            with closing(make_iterator()) as iterator:
-                for item in iterator:
-                    loop.call_soon_threadsafe(queue.put_nowait, (item, None))
-                    if stopped.is_set():
-                        break
-        except BaseException as error:  # re-raised on the event loop
-            outcome = error
-        loop.call_soon_threadsafe(queue.put_nowait, (_DONE, outcome))
-
-    worker = loop.run_in_executor(None, produce)
-    try:
-        while True:
-            item, outcome = await queue.get()
-            if item is not _DONE:
-                yield item
-            elif outcome is _DONE:
-                break
-            else:
-                raise outcome
-    finally:
-        stopped.set()
-        await worker
+def result_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]:
+    """What an adapter reports with a response: citations (1-based, in the order the documents were
+    given), the cited documents, usage, and the compression and timing figures."""
+    numbered = [(number, result.documents[number - 1]) for number in result.citations]
+    return {
+        "model_name": model_name,
+        "finish_reason": result.finish_reason,
+        "citations": list(result.citations),
+        "cited_documents": [{"number": n, **asdict(doc), "metadata": dict(doc.metadata)} for n, doc in numbered],
+        "usage": {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
+                  "total_tokens": result.usage.total_tokens},
+        "compression": asdict(result.compression),
+        "timings": asdict(result.timings),
+    }

@@ -3,7 +3,14 @@
 Shapes used throughout: queries ``[B, H, q, D]`` (RoPE applied), keys and values
 ``[B, H_kv, L, D]``, ``attention_mask`` ``[B, L]`` with 1 for real tokens and 0 for left padding.
 Every function returns ``(keys, values, kept_positions)`` with ``kept_positions`` ``[B, H_kv, C]``
-sorted ascending, so that the kept cache is dense and keeps the tokens in prompt order.
+sorted ascending, so that the kept cache is dense and keeps the tokens in prompt order. Values may
+have another head size than keys (multi-head latent attention caches 192-wide keys, 128-wide values).
+
+Votes are computed the way the layer's own attention computes its weights: ``scale`` (default
+``1/sqrt(D)``; Granite's attention multiplier, Gemma's ``query_pre_attn_scalar``), ``softcap``
+(Gemma 2's logit soft-capping) and ``sinks`` (GPT-OSS's per-head sink logit, which takes its share of
+the softmax and is then dropped). Ties in the scores are broken by position, earlier first, so the
+selection does not depend on where a row's tokens sit in a padded batch.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ def _group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return query.view(b, num_kv_heads, h // num_kv_heads, q, d)
 
 
-def attention_probs(query: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+def attention_probs(query: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                    scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """Causal softmax attention of the last ``q`` prompt queries over all ``L`` keys, in float32.
 
@@ -36,7 +44,10 @@ def attention_probs(query: torch.Tensor, key_states: torch.Tensor, attention_mas
     b, h_kv, length, d = key_states.shape
     q_len = query.shape[-2]
     grouped = _group_queries(query, h_kv).float()
-    logits = torch.matmul(grouped, key_states.float().unsqueeze(2).transpose(-1, -2)) / math.sqrt(d)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    logits = torch.matmul(grouped, key_states.float().unsqueeze(2).transpose(-1, -2)) * scale
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     q_pos = torch.arange(length - q_len, length, device=query.device)
     k_pos = torch.arange(length, device=query.device)
     allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, q, L]
@@ -44,15 +55,20 @@ def attention_probs(query: torch.Tensor, key_states: torch.Tensor, attention_mas
         real = attention_mask.to(device=query.device, dtype=torch.bool)
         allowed = allowed & real[:, None, :]  # [B, q, L]
     logits = logits.masked_fill(~allowed[:, None, None], NEG_INF)
+    if sinks is not None:  # one extra logit per query head, sharing the softmax, then dropped
+        sink = sinks.float().reshape(1, h_kv, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.nan_to_num(probs, nan=0.0)
     probs = torch.softmax(logits, dim=-1)
     return torch.nan_to_num(probs, nan=0.0)  # a padded query sees no real key: all -inf -> zeros
 
 
-def snapkv_votes(query_window: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def snapkv_votes(query_window: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 **scoring) -> torch.Tensor:
     """Steps 1–3: attention of the observation window summed over its queries and averaged over
-    the query heads of each KV head. Returns ``[B, H_kv, L]`` (the caller keeps the prefix part)."""
-    probs = attention_probs(query_window, key_states, attention_mask)
+    the query heads of each KV head. Returns ``[B, H_kv, L]`` (the caller keeps the prefix part).
+    ``scoring``: the layer's ``scale``, ``softcap`` and ``sinks`` (see :func:`attention_probs`)."""
+    probs = attention_probs(query_window, key_states, attention_mask, **scoring)
     return probs.sum(dim=-2).mean(dim=2)
 
 
@@ -78,7 +94,7 @@ def keep_top(prefix_scores: torch.Tensor, key_states: torch.Tensor, value_states
     """Step 5, shared by every method: the ``capacity - recent`` best-scored prefix positions plus
     the last ``recent`` positions, gathered from K and V. Padded prefix positions are never chosen
     while a real one is left. ``prefix_scores`` is ``[B, H_kv, L - recent]``."""
-    b, h_kv, length, d = key_states.shape
+    b, h_kv, length, _ = key_states.shape
     if length <= capacity:
         kept = torch.arange(length, device=key_states.device).expand(b, h_kv, length)
         return key_states, value_states, kept
@@ -86,27 +102,43 @@ def keep_top(prefix_scores: torch.Tensor, key_states: torch.Tensor, value_states
     if attention_mask is not None:
         real = attention_mask[:, : length - recent].to(device=scores.device, dtype=torch.bool)
         scores = scores.masked_fill(~real[:, None, :], NEG_INF)
-    top = scores.topk(capacity - recent, dim=-1).indices
+    top = best_positions(scores, capacity - recent)
     window = torch.arange(length - recent, length, device=key_states.device).expand(b, h_kv, recent)
     kept = torch.cat([top, window], dim=-1).sort(dim=-1).values
-    index = kept.unsqueeze(-1).expand(b, h_kv, capacity, d)
-    return key_states.gather(2, index), value_states.gather(2, index), kept
+    return gather_positions(key_states, kept), gather_positions(value_states, kept), kept
+
+
+def best_positions(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` best positions of ``scores`` ``[..., n]``, ordered by (score desc, position asc):
+    exactly tied scores (plateaus of max pooling) go to the earlier position, whatever offset the
+    row has in a padded batch. ``topk`` leaves the order of ties to the kernel."""
+    return scores.argsort(dim=-1, descending=True, stable=True)[..., :count]
+
+
+def gather_positions(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``states`` ``[B, H_kv, L, D]`` at ``positions`` ``[B, H_kv, C]`` -> ``[B, H_kv, C, D]``."""
+    return states.gather(2, positions.unsqueeze(-1).expand(*positions.shape, states.shape[-1]))
 
 
 def snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-                  config: SnapKVConfig, attention_mask: torch.Tensor | None = None, *, capacity: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  config: SnapKVConfig, attention_mask: torch.Tensor | None = None, *, capacity: int | None = None,
+                  shared: bool = False, **scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SnapKV, steps 1–5 of the paper: returns ``(keys, values, kept_positions)``.
 
     ``query_window`` is ``[B, H, w, D]``: the last ``w`` prompt queries. ``capacity`` overrides
     ``config.max_capacity_prompt`` (per-layer budgets). When ``L <= capacity`` nothing is dropped.
+    ``shared``: one selection for all heads, from their votes averaged (multi-head latent attention
+    caches one latent for every head); the K/V returned are then those of the first head.
     """
     capacity = config.max_capacity_prompt if capacity is None else capacity
     length = key_states.shape[-2]
     if length <= capacity:
         return keep_top(key_states.new_zeros(()), key_states, value_states, capacity, 0)
     window = min(config.window_size, query_window.shape[-2])
-    votes = snapkv_votes(query_window[..., -window:, :], key_states, attention_mask)[..., : length - window]
+    votes = snapkv_votes(query_window[..., -window:, :], key_states, attention_mask, **scoring)
+    votes = votes[..., : length - window]
+    if shared:
+        votes, key_states, value_states = votes.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
     pooled = pool_votes(votes, config.kernel_size, config.pooling)
     return keep_top(pooled, key_states, value_states, capacity, window, attention_mask)
 
@@ -124,7 +156,7 @@ def streaming_select(key_states: torch.Tensor, value_states: torch.Tensor, confi
 
 
 def h2o_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, config: H2OConfig,
-               attention_mask: torch.Tensor | None = None, *, chunk: int = 512
+               attention_mask: torch.Tensor | None = None, *, chunk: int = 512, shared: bool = False, **scoring
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """H2O-style: attention accumulated over every prompt query (``query`` is ``[B, H, L, D]``),
     computed in chunks of queries so that no ``L x L`` matrix is held at once."""
@@ -136,10 +168,12 @@ def h2o_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torc
         stop = min(start + chunk, length)
         # attention_probs places the queries at the end of the keys it is given
         probs = attention_probs(query[..., start:stop, :], key_states[..., :stop, :],
-                                None if attention_mask is None else attention_mask[:, :stop])
+                                None if attention_mask is None else attention_mask[:, :stop], **scoring)
         part = F.pad(probs.sum(dim=-2).mean(dim=2), (0, length - stop))
         totals = part if totals is None else totals + part
     recent = config.recent_size
+    if shared:  # one selection for all heads (see snapkv_select)
+        totals, key_states, value_states = totals.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
     return keep_top(totals[..., : length - recent], key_states, value_states, config.max_capacity_prompt, recent,
                     attention_mask)
 
@@ -156,18 +190,21 @@ def random_select(key_states: torch.Tensor, value_states: torch.Tensor, config: 
 
 
 def select(config, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-           attention_mask: torch.Tensor | None, layer_idx: int, num_layers: int
+           attention_mask: torch.Tensor | None, layer_idx: int, num_layers: int, *, shared: bool = False, **scoring
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dispatch one layer to its method. ``query`` holds all prompt queries ``[B, H, L, D]``; the
-    window methods only look at its end."""
+    window methods only look at its end. ``scoring``: the layer's ``scale``, ``softcap``, ``sinks``;
+    ``shared``: one selection for all heads (see :func:`snapkv_select`)."""
+    if shared and not isinstance(config, (SnapKVConfig, H2OConfig)):  # positions only: any head will do
+        key_states, value_states = key_states[:, :1], value_states[:, :1]
     if isinstance(config, SnapKVConfig):  # PyramidKVConfig included: only the budget differs
         capacity = config.budget_for_layer(layer_idx, num_layers)
         return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
-                             capacity=capacity)
+                             capacity=capacity, shared=shared, **scoring)
     if isinstance(config, StreamingLLMConfig):
         return streaming_select(key_states, value_states, config, attention_mask)
     if isinstance(config, H2OConfig):
-        return h2o_select(query, key_states, value_states, config, attention_mask)
+        return h2o_select(query, key_states, value_states, config, attention_mask, shared=shared, **scoring)
     if isinstance(config, RandomConfig):
         return random_select(key_states, value_states, config, attention_mask, layer_idx=layer_idx)
     raise TypeError(f"snapkv: expected a compression config (SnapKVConfig, StreamingLLMConfig, H2OConfig, "

@@ -181,9 +181,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 
 def load(model: str | os.PathLike | None = None, *, device: str | None = None,
-         dtype: str | torch.dtype | None = None, attn_implementation: str = "sdpa",
-         trust_remote_code: bool = False) -> LoadedModel:
-    """Load a causal LM and its tokenizer. ``model=None`` is the embedded default model."""
+         dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> LoadedModel:
+    """Load a causal LM and its tokenizer. ``model=None`` is the embedded default model. The
+    attention implementation is transformers' default for the model; the engine then switches it
+    (:func:`snapkv_rag.attention.resolve_implementation`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = str(check_device(device)) if device is not None else default_device()
@@ -215,7 +216,7 @@ def load(model: str | os.PathLike | None = None, *, device: str | None = None,
         else:
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
             loaded = AutoModelForCausalLM.from_pretrained(
-                source, dtype=torch_dtype, use_safetensors=True, attn_implementation=attn_implementation, **kwargs)
+                source, dtype=torch_dtype, use_safetensors=True, **kwargs)
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"model: could not load {name!r}: {error}") from error
     loaded.to(device).eval()

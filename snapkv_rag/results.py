@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .prompts import Document
+from .prompts import Document, parse_citations
 
 
 @dataclass
@@ -71,3 +71,21 @@ class GenerationResult:
         data.pop("documents")
         data["cited_documents"] = [asdict(d) for d in self.cited_documents]
         return data
+
+
+def build_result(row_text, documents: list[Document], prompt_tokens: int, cache, row: int, prefill_s: float,
+                 selection_ms: float) -> GenerationResult:
+    """A :class:`GenerationResult` for row ``row``: its text (a :class:`snapkv_rag.text.RowText`) and
+    the figures of the cache it decoded from (kept tokens and bytes read from the cache's buffers)."""
+    full_bytes, kept_bytes = cache.kv_bytes(row, prompt_tokens)
+    compression = CompressionStats(method="full" if cache.method is None else cache.method.method,
+                                   prompt_tokens=prompt_tokens, kept_tokens=cache.kept_tokens(row, prompt_tokens),
+                                   ratio=kept_bytes / full_bytes if full_bytes else 1.0,
+                                   kv_bytes_full=full_bytes, kv_bytes_kept=kept_bytes, selection_ms=selection_ms)
+    return GenerationResult(
+        text=row_text.text, citations=parse_citations(row_text.text, len(documents)),
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(row_text.token_ids)),
+        compression=compression,
+        timings=Timings(prefill_s=prefill_s, decode_ms_per_token=row_text.decode_ms_per_token,
+                        decode_step_ms=list(row_text.decode_step_ms)),
+        finish_reason=row_text.finish_reason, documents=documents)

@@ -36,12 +36,12 @@ def filler_documents(count: int, words: int = 60) -> list[dict]:
 
 
 def capture_caches(model):
-    """Record the cache object of every forward call (a public torch hook, no engine internals)."""
+    """Record, at every forward call, how many tokens each cache layer holds (a public torch hook and
+    the cache layers' own ``get_seq_length``, no engine internals)."""
     seen = []
 
     def hook(module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        seen.append([layer.keys.shape[-2] if getattr(layer, "keys", None) is not None else 0
-                     for layer in cache.layers] if cache is not None and cache.layers else [])
+        seen.append([layer.get_seq_length() for layer in cache.layers] if cache is not None and cache.layers else [])
 
     return seen, model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from snapkv_rag import SnapKVConfig, SnapKVLLM, StreamingLLMConfig
+from snapkv_rag import PyramidKVConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
 from snapkv_rag.compression import snapkv_select
 
 from snapkv_testing import cache_kwarg, capture_caches, filler_documents, seeded
@@ -37,7 +37,7 @@ def test_decode_continues_at_original_positions(tiny_engine, tokenizer):
     model = tiny_engine.model
     question, docs = "What lies north?", filler_documents(5)
     result = tiny_engine.generate(question, docs, snapkv=BUDGET, max_new_tokens=8)
-    ids = tiny_engine._request([{"role": "user", "content": question}], docs).input_ids
+    ids = tiny_engine.request(question, docs).input_ids
     length = len(ids)
     cache = DynamicCache(config=model.config)
     queries = {}
@@ -59,7 +59,7 @@ def test_decode_continues_at_original_positions(tiny_engine, tokenizer):
     with torch.inference_mode():
         for step in range(8):
             token = int(logits.argmax(-1))
-            if token in tiny_engine._eos_ids:
+            if token in tiny_engine.runner.eos_ids:
                 break
             tokens.append(token)
             logits = model(torch.tensor([[token]]), **{cache_kwarg(model): cache}, position_ids=torch.tensor([[length + step]]),
@@ -72,7 +72,7 @@ def test_budget_above_prompt_equals_full_cache_and_model_generate(tiny_engine, t
     big = tiny_engine.generate(question, docs, snapkv=SnapKVConfig(max_capacity_prompt=4096), max_new_tokens=10)
     full = tiny_engine.generate(question, docs, snapkv=False, max_new_tokens=10)
     assert big.text == full.text and big.compression.ratio == 1.0
-    ids = torch.tensor([tiny_engine._request([{"role": "user", "content": question}], docs).input_ids])
+    ids = torch.tensor([tiny_engine.request(question, docs).input_ids])
     reference = tiny_engine.model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=2)
     assert full.text == tokenizer.decode(reference[0, ids.shape[1]:], skip_special_tokens=True)
 
@@ -80,7 +80,9 @@ def test_budget_above_prompt_equals_full_cache_and_model_generate(tiny_engine, t
 def test_batch_of_unequal_prompts_equals_single_calls(tiny_engine):
     questions = ["What lies north?", "Which harbour is it?", "Name the orchard."]
     docs = [filler_documents(6), filler_documents(2), filler_documents(4)]
-    for config in (BUDGET, SnapKVConfig(max_capacity_prompt=400, window_size=8), False):
+    # PyramidKV gives each layer its own cache length: each layer masks its own slots
+    for config in (BUDGET, SnapKVConfig(max_capacity_prompt=400, window_size=8), False,
+                   PyramidKVConfig(max_capacity_prompt=64, window_size=8)):
         batch = tiny_engine.generate_batch(questions, docs, snapkv=config, max_new_tokens=8)
         single = [tiny_engine.generate(q, d, snapkv=config, max_new_tokens=8) for q, d in zip(questions, docs)]
         assert [r.text for r in batch] == [r.text for r in single]
@@ -190,7 +192,7 @@ def test_masked_decode_attention_equals_transformers_sdpa(tiny_model):
     through SDPA with grouped heads instead of transformers' copy of every KV head: same output."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from snapkv_rag.attach import _make_wrapper
+    from snapkv_rag.attention import grouped_sdpa
 
     module = tiny_model.model.layers[0].self_attn
     g = seeded(0)
@@ -200,7 +202,7 @@ def test_masked_decode_attention_equals_transformers_sdpa(tiny_model):
     mask[1, ..., :12] = False  # a left-padded row
     mask[:, ..., 45:] = False  # slots not written yet
     want, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=module.scaling)
-    got, _ = _make_wrapper("sdpa")(module, query, key, value, mask, dropout=0.0, scaling=module.scaling)
+    got, _ = grouped_sdpa(module, query, key, value, mask, module.scaling)
     torch.testing.assert_close(got, want)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapkv_rag import ContextLengthError, ModelLoadError, PyramidKVConfig, SnapKVConfig, SnapKVLLM
+from snapkv_rag import ContextLengthError, ModelLoadError, SnapKVConfig, SnapKVLLM
 
 from snapkv_testing import filler_documents, tiny_llama
 
@@ -30,8 +30,6 @@ def still_works(engine):
     (lambda e: e.generate("q", budget=3), TypeError, "budget"),
     (lambda e: e.chat([{"role": "robot", "content": "hi"}]), ValueError, "role"),
     (lambda e: e.chat([]), ValueError, "messages"),
-    (lambda e: e.generate_batch(["a", "bb bb bb"], [filler_documents(1), filler_documents(3)],
-                                snapkv=PyramidKVConfig(max_capacity_prompt=64, window_size=8)), ValueError, "PyramidKV"),
 ])
 def test_bad_requests_name_the_problem(tiny_engine, call, error, words):
     with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):

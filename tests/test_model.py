@@ -19,7 +19,7 @@ QUESTION = "Which number lies north of the castle?"
 
 
 def prompt_ids(engine, question, docs):
-    return engine._request([{"role": "user", "content": question}], docs).input_ids
+    return engine.request(question, docs).input_ids
 
 
 def test_budget_larger_than_prompt_equals_plain_generate(engine):
@@ -30,7 +30,7 @@ def test_budget_larger_than_prompt_equals_plain_generate(engine):
     with torch.inference_mode():
         plain = engine.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
     generated = plain[0, len(ids):].tolist()
-    if generated and generated[-1] in engine._eos_ids:
+    if generated and generated[-1] in engine.runner.eos_ids:
         generated = generated[:-1]
     assert ours.compression.kept_tokens == [len(ids)] * 30
     assert engine.tokenizer.encode(ours.text, add_special_tokens=False) == generated or \

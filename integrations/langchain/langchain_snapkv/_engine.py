@@ -7,52 +7,26 @@ The engine (:class:`snapkv_rag.SnapKVLLM`) does all the work; this module only t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from typing import Any
 
 from langchain_core.documents import Document as LCDocument
 from langchain_core.messages.ai import UsageMetadata
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 from snapkv_rag import Document, GenerationResult
-from snapkv_rag.adapters import LOADING_DEFAULTS, engine_from
+from snapkv_rag.adapter_fields import EngineSpec
+from snapkv_rag.adapters import call_options, result_metadata
 
-# Fields that configure loading a model; they conflict with an already loaded ``engine``.
-_CALL_OPTIONS = ("max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "snapkv")
+__all__ = ["EngineFields", "to_engine_documents", "usage_metadata", "result_metadata"]
 
 
-class EngineFields(BaseModel):
-    """The engine's own parameters, or an existing ``engine`` to share one loaded model."""
+class EngineFields(EngineSpec):
+    """The engine's fields (shared with the LlamaIndex adapter), LangChain's name for the number of
+    tokens to generate, and streaming to callbacks."""
 
-    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
-
-    engine: Any = Field(default=None, exclude=True)
-    """An already loaded :class:`snapkv_rag.SnapKVLLM`; built from the fields below when omitted."""
-    model: Any = None
-    """A model folder, ``.gguf`` file, hub id or loaded transformers model; ``None``: the embedded
-    SmolLM2-135M-Instruct."""
-    tokenizer: Any = Field(default=None, exclude=True)
-    device: str | None = None
-    dtype: Any = None
-    attn_implementation: str = "sdpa"
-    instruction: str | None = None
-    """The citing instruction placed before the question (``None``: the engine's default)."""
-    trust_remote_code: bool = False
-    snapkv: Any = None
-    """A compression config (``SnapKVConfig(...)``), ``False`` for the full cache, or ``None`` to
-    keep the engine's default (SnapKV)."""
     max_tokens: int | None = Field(default=None, alias="max_new_tokens")
     """Tokens to generate (alias ``max_new_tokens``); ``None``: the engine's default."""
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
     streaming: bool = False
     """Stream tokens to the callbacks even on ``invoke``."""
-
-    @model_validator(mode="after")
-    def _attach_engine(self) -> EngineFields:
-        self.engine = engine_from(self.engine, self.snapkv, **{name: getattr(self, name) for name in LOADING_DEFAULTS})
-        return self
 
     @property
     def model_name(self) -> str:
@@ -81,18 +55,11 @@ class EngineFields(BaseModel):
         if "model" in kwargs:
             raise ValueError(f"model: {type(self).__name__} serves the model it loaded "
                              f"({self.model_name}); a per-call model override is not supported")
-        unknown = sorted(set(kwargs) - set(_CALL_OPTIONS))
-        if unknown:
-            raise TypeError(f"unexpected option(s) {', '.join(unknown)}; supported: documents, stop, "
-                            f"{', '.join(_CALL_OPTIONS)}")
-        max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_tokens))
-        options = {"max_new_tokens": max_new, "stop": stop if stop is not None else self.stop,
-                   **{name: kwargs.get(name, getattr(self, name)) for name in ("temperature", "top_p", "seed")}}
-        options = {k: v for k, v in options.items() if v is not None}
-        if "snapkv" in kwargs:
-            options["snapkv"] = kwargs["snapkv"]
-        elif self.snapkv is not None:
-            options["snapkv"] = self.snapkv
+        if "max_tokens" in kwargs:  # LangChain's name for it
+            kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
+        fields = {"max_new_tokens": self.max_tokens, "stop": self.stop, "snapkv": self.snapkv,
+                  **{name: getattr(self, name) for name in ("temperature", "top_p", "seed")}}
+        options = call_options(fields, {**kwargs, **({"stop": stop} if stop is not None else {})}, ("documents",))
         return options, documents
 
 
@@ -121,17 +88,3 @@ def to_engine_documents(items: Sequence[Any] | None) -> list | None:
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
     return UsageMetadata(input_tokens=result.usage.prompt_tokens, output_tokens=result.usage.completion_tokens,
                          total_tokens=result.usage.total_tokens)
-
-
-def result_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]:
-    """Citations (1-based, in the order the documents were given), the cited documents, and the
-    compression and timing figures of one generation."""
-    numbered = [(number, result.documents[number - 1]) for number in result.citations]
-    return {
-        "model_name": model_name,
-        "finish_reason": result.finish_reason,
-        "citations": list(result.citations),
-        "cited_documents": [{"number": n, **asdict(doc), "metadata": dict(doc.metadata)} for n, doc in numbered],
-        "compression": asdict(result.compression),
-        "timings": asdict(result.timings),
-    }

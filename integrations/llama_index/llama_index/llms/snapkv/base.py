@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator, Sequence
 from contextlib import closing
-from dataclasses import asdict
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -23,16 +22,16 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import Field, model_validator
 from snapkv_rag import GenerationResult
-from snapkv_rag.adapters import LOADING_DEFAULTS, engine_from, iterate_in_thread
+from snapkv_rag.adapter_fields import EngineSpec
+from snapkv_rag.adapters import CALL_OPTIONS, call_options, iterate_in_thread, result_metadata
 
 from . import instrumentation
 from .citations import split_sources
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
-_CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "snapkv", "stop")
 
 
-class SnapKVLLM(CustomLLM):
+class SnapKVLLM(EngineSpec, CustomLLM):
     """LlamaIndex LLM over a SnapKV-compressed KV cache (one :class:`snapkv_rag.SnapKVLLM` engine).
 
     >>> from llama_index.core import Settings, VectorStoreIndex
@@ -51,25 +50,11 @@ class SnapKVLLM(CustomLLM):
     ``response.metadata["snapkv"]`` (see :mod:`llama_index.llms.snapkv.instrumentation`).
     """
 
-    engine: Any = Field(default=None, exclude=True, description="An already loaded snapkv_rag.SnapKVLLM.")
-    model: Any = Field(default=None, description="Model folder, .gguf, hub id or loaded model; None: embedded.")
-    tokenizer: Any = Field(default=None, exclude=True)
-    device: str | None = None
-    dtype: Any = None
-    attn_implementation: str = "sdpa"
-    instruction: str | None = None
-    trust_remote_code: bool = False
-    snapkv: Any = Field(default=None, description="Compression config, False for the full cache, None: engine's.")
     max_new_tokens: int | None = Field(default=None, description="None: the engine's default.")
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
     parse_sources: bool = Field(default=True, description="Pass CitationQueryEngine's sources as documents.")
 
     @model_validator(mode="after")
-    def _attach_engine(self) -> SnapKVLLM:
-        self.engine = engine_from(self.engine, self.snapkv, **{name: getattr(self, name) for name in LOADING_DEFAULTS})
+    def _register_response_metadata(self) -> SnapKVLLM:
         instrumentation.register()  # query engines' responses get response.metadata["snapkv"]
         return self
 
@@ -85,12 +70,9 @@ class SnapKVLLM(CustomLLM):
 
     # ------------------------------------------------------------------ requests
     def _request(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(kwargs) - set(_CALL_OPTIONS) - {"documents", "formatted"})
-        if unknown:
-            raise TypeError(f"unexpected option(s) {', '.join(unknown)}; supported: documents, "
-                            f"{', '.join(_CALL_OPTIONS)}")
-        options = {name: kwargs.get(name, getattr(self, name)) for name in _CALL_OPTIONS}
-        options = {k: v for k, v in options.items() if v is not None}
+        fields = {name: getattr(self, name) for name in CALL_OPTIONS}
+        options = call_options(fields, {k: v for k, v in kwargs.items() if k not in ("documents", "formatted")},
+                               ("documents",))
         documents = kwargs.get("documents")
         if documents is None and self.parse_sources and messages and messages[-1]["role"] == "user":
             parsed = split_sources(messages[-1]["content"])
@@ -106,12 +88,7 @@ class SnapKVLLM(CustomLLM):
         return [*system, {"role": "user", "content": prompt}]
 
     def _details(self, result: GenerationResult) -> dict[str, Any]:
-        return {"citations": list(result.citations), "finish_reason": result.finish_reason,
-                "compression": asdict(result.compression), "timings": asdict(result.timings),
-                "usage": {"prompt_tokens": result.usage.prompt_tokens,
-                          "completion_tokens": result.usage.completion_tokens,
-                          "total_tokens": result.usage.total_tokens},
-                "model_name": self.engine.model_name}
+        return result_metadata(result, self.engine.model_name)
 
     def _completion(self, result: GenerationResult) -> CompletionResponse:
         return CompletionResponse(text=result.text, raw=result.to_dict(), additional_kwargs=self._details(result))

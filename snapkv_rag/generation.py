@@ -1,0 +1,234 @@
+"""Generation as plain functions, top to bottom: ``prefill`` -> ``decode`` (``decode_step`` + ``sample``).
+
+    runner = Runner(model, eos_ids=frozenset({2}), pad_id=2)            # a transformers causal LM
+    batch = Batch.of([[1, 5, 9, ...], [1, 7, ...]], pad_id=2)           # token ids, left padded
+    pre = prefill(runner, batch, {"snapkv": SnapKVConfig(), "full": None}, room=32)
+    for event in decode(runner, pre, "snapkv", SamplingOptions(max_new_tokens=32)):
+        ...  # Token(row, token_id) as they come, Finished(row, reason, steps, decode_s) per row
+
+``prefill`` runs the prompt once; right after each layer's attention, that layer's K/V are
+compressed into one cache per method (:mod:`snapkv_rag.cache`), so that several methods share one
+prefill. ``decode`` continues from one of those caches at the original positions: row ``b``'s next
+token sits at position ``len(prompt_b)``, whatever its cache holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from . import attention
+from .cache import KVCache, layer_specs
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How tokens are picked: ``temperature`` 0 is greedy; ``top_p`` nucleus; ``seed`` for sampling."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens: must be a positive integer, got {self.max_new_tokens!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature: must be a number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"seed: expected an int, got {type(self.seed).__name__}")
+
+
+@dataclass(frozen=True)
+class Token:
+    """Row ``row`` produced ``token_id`` (not an end-of-sequence token)."""
+
+    row: int
+    token_id: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Row ``row`` is done: ``reason`` is ``"stop"`` (end of sequence, or the caller stopped it) or
+    ``"length"``; the decode forward passes that ran for it took ``step_ms`` each."""
+
+    row: int
+    reason: str
+    step_ms: tuple[float, ...]
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_ms)
+
+    @property
+    def ms_per_token(self) -> float:
+        return sum(self.step_ms) / len(self.step_ms) if self.step_ms else 0.0
+
+
+@dataclass
+class Runner:
+    """A transformers causal LM and how to call it: one forward pass at a time (``lock``), its
+    base attention implementation, MLP slicing for long prompts, an optional compiled step."""
+
+    model: Any
+    eos_ids: frozenset[int]
+    pad_id: int
+    base: str = "sdpa"
+    prefill_chunk: int | None = 4096
+    compile: bool | str = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _compiled: Any = None
+
+    def __post_init__(self) -> None:
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.keep_last = "logits_to_keep" in params
+        self.specs = layer_specs(self.model.config)
+        self.device = next(self.model.parameters()).device
+
+    def forward(self, input_ids, attention_mask, position_ids, cache: KVCache, compiled: bool = False) -> torch.Tensor:
+        """One model call under the lock; returns the last position's logits ``[B, V]``."""
+        step = self._compiled_step() if compiled else self._step
+        with self.lock, torch.inference_mode():
+            attention.attach(self.model, self.base)
+            logits = step(input_ids, attention_mask, position_ids, cache)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        return logits
+
+    def _step(self, input_ids, attention_mask, position_ids, cache):
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  self.cache_kwarg: cache, "use_cache": True, attention.CACHE_KWARG: cache}
+        if self.keep_last:
+            kwargs["logits_to_keep"] = 1
+        return self.model(**kwargs).logits[:, -1, :]
+
+    def _compiled_step(self):
+        if self._compiled is None:
+            self._compiled = torch.compile(self._step, mode=None if self.compile is True else self.compile)
+        return self._compiled
+
+
+@dataclass
+class Batch:
+    """Prompts as token ids, left padded to one length: ``ids``/``mask`` ``[B, L]``, ``lengths`` [B]."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    lengths: list[int]
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], pad_id: int, device=None) -> Batch:
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("prompts: expected non-empty lists of token ids")
+        lengths = [len(p) for p in prompts]
+        longest = max(lengths)
+        ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            mask[row, longest - len(prompt):] = 1
+        return cls(ids.to(device), mask.to(device), lengths)
+
+    @property
+    def padded(self) -> bool:
+        return len(set(self.lengths)) > 1
+
+
+@dataclass
+class Prefilled:
+    """What :func:`prefill` returns: one cache per method, the next-token logits, and timings."""
+
+    batch: Batch
+    caches: dict[str, KVCache]
+    logits: torch.Tensor
+    prefill_s: float
+
+    def selection_ms(self, name: str) -> float:
+        return 1000 * self.caches[name].selection_s
+
+
+def prefill(runner: Runner, batch: Batch, compression: Mapping[str, Any] | Any, room: int) -> Prefilled:
+    """Run the prompts once and fill one cache per method of ``compression`` (a mapping from a name
+    to a config, ``None`` for the full cache; or a single config, named ``""``), each with ``room``
+    slots for decoding. Only the stored caches differ: the prefill itself sees the whole prompt."""
+    methods = dict(compression) if isinstance(compression, Mapping) else {"": compression}
+    if not methods:
+        raise ValueError("compression: give at least one method")
+    caches = {name: KVCache(runner.model.config, runner.specs, method) for name, method in methods.items()}
+    first, *siblings = caches.values()
+    first.open_prefill(siblings, batch.lengths, room)
+    positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+    start = time.perf_counter()
+    with attention.sliced_mlps(runner.model, runner.prefill_chunk) if runner.prefill_chunk else contextlib.nullcontext():
+        logits = runner.forward(batch.ids, batch.mask if batch.padded else None, positions, first)
+    first.close_prefill()
+    return Prefilled(batch=batch, caches=caches, logits=logits, prefill_s=time.perf_counter() - start)
+
+
+def sample(logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token per row from ``logits`` ``[B, V]``: argmax when greedy, else temperature + top-p."""
+    if options.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / options.temperature, dim=-1)
+    if options.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs > options.top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def decode_step(runner: Runner, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+                compiled: bool = False) -> torch.Tensor:
+    """Feed ``tokens`` ``[B]`` at ``positions`` ``[B]``; returns the next logits ``[B, V]``."""
+    with torch.inference_mode():
+        cache.begin_step(positions)
+    return runner.forward(tokens[:, None], None, positions[:, None], cache, compiled=compiled)
+
+
+def decode(runner: Runner, pre: Prefilled, name: str, options: SamplingOptions,
+           stopped: set[int] | None = None) -> Iterator[Token | Finished]:
+    """Decode from ``pre.caches[name]`` until every row is finished. The caller may add rows to
+    ``stopped`` (e.g. when a stop string appeared): they get no more tokens and finish as "stop"."""
+    cache = pre.caches[name]
+    batch = len(pre.batch.lengths)
+    stopped = set() if stopped is None else stopped
+    generator = None
+    if options.temperature > 0:
+        seed = options.seed if options.seed is not None else time.time_ns() % 2**62
+        generator = torch.Generator().manual_seed(seed)
+    compiled = bool(runner.compile) and cache.recorder is None and cache.make_static() is not None
+    positions = torch.tensor(pre.batch.lengths, device=runner.device)
+    logits, step_ms = pre.logits, []
+    done: set[int] = set()
+    for step in range(options.max_new_tokens):
+        tokens = sample(logits, options, generator)
+        for row in range(batch):
+            if row in done:
+                continue
+            if row in stopped or int(tokens[row]) in runner.eos_ids:
+                done.add(row)
+                yield Finished(row, "stop", tuple(step_ms))
+            else:
+                yield Token(row, int(tokens[row]))
+                if row in stopped:  # the caller stopped it on this very token
+                    done.add(row)
+                    yield Finished(row, "stop", tuple(step_ms))
+        if len(done) == batch or step == options.max_new_tokens - 1:
+            break
+        begin = time.perf_counter()
+        logits = decode_step(runner, cache, tokens, positions, compiled)  # synchronised on CUDA
+        step_ms.append(1000 * (time.perf_counter() - begin - cache.record_s))
+        cache.record_s = 0.0
+        positions = positions + 1
+    for row in range(batch):
+        if row not in done:
+            yield Finished(row, "length", tuple(step_ms))

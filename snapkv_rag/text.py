@@ -1,0 +1,141 @@
+"""From messages to token ids, and from decoded tokens back to text with stop strings.
+
+:func:`decode_text` is :func:`snapkv_rag.generation.decode` seen as text: it detokenises each row
+incrementally, stops a row when one of its stop strings appears (the stop string never reaches the
+text) and yields ``(row, piece)`` as text becomes final; its return value is one
+:class:`RowText` per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+from .generation import Finished, Prefilled, Runner, SamplingOptions, Token, decode
+from .prompts import Document, DocumentLike, rag_user_message, to_documents
+
+Message = Mapping[str, str] | tuple[str, str]
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Request:
+    """One prompt ready to run: its token ids and the documents it numbers ``[1]..[N]``."""
+
+    input_ids: list[int]
+    documents: list[Document]
+
+
+@dataclass
+class RowText:
+    """One row's decoded answer."""
+
+    text: str
+    finish_reason: str
+    token_ids: list[int]
+    decode_ms_per_token: float
+    decode_step_ms: tuple[float, ...] = ()
+
+
+def check_question(question) -> str:
+    if not isinstance(question, str):
+        raise TypeError(f"question: expected a str, got {type(question).__name__}")
+    if not question.strip():
+        raise ValueError("question: must not be empty")
+    return question
+
+
+def normalise_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages: expected a non-empty list of {'role', 'content'} dicts")
+    out = []
+    for i, message in enumerate(messages):
+        role, content = (message if isinstance(message, tuple) else (message.get("role"), message.get("content"))
+                         ) if isinstance(message, (tuple, Mapping)) else (None, None)
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}]: role must be one of {ROLES}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}]: content must be a str, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def encode_request(tokenizer, messages: Sequence[Message], documents: Sequence[DocumentLike] | None,
+                   instruction: str) -> Request:
+    """The prompt of a conversation; with ``documents``, the last (user) message becomes the question
+    of a RAG prompt (documents first, question last), through the model's chat template."""
+    messages = normalise_messages(messages)
+    docs = to_documents(documents)
+    if docs:
+        if messages[-1]["role"] != "user":
+            raise ValueError("messages: with documents, the last message must be the user's question")
+        check_question(messages[-1]["content"])
+        messages[-1] = {"role": "user", "content": rag_user_message(messages[-1]["content"], docs, instruction)}
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return Request(input_ids=tokenizer(text, add_special_tokens=False).input_ids, documents=docs)
+
+
+class TextState:
+    """Incremental detokenisation of one row, with stop strings that never leak into the text."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.ids: list[int] = []
+        self.emitted = 0
+        self.text = ""
+        self.finished: str | None = None
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.finished = self.text[: min(hits)], "stop"
+            return self.flush()
+        safe = len(self.text)
+        if self.text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            safe -= 1
+        for s in self.stop:  # hold back what may be the start of a stop string
+            for k in range(min(len(s) - 1, safe), 0, -1):
+                if self.text[:safe].endswith(s[:k]):
+                    safe -= k
+                    break
+        return self._emit(max(safe, self.emitted))
+
+    def flush(self) -> str:
+        self.text = self.text.rstrip("\ufffd") if self.finished != "stop" else self.text
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        piece, self.emitted = self.text[self.emitted:upto], upto
+        return piece
+
+
+def decode_text(runner: Runner, tokenizer, pre: Prefilled, name: str, options: SamplingOptions,
+                stop: Sequence[str] = ()) -> Iterator[tuple[int, str]]:
+    """Decode ``pre.caches[name]`` as text: yields ``(row, piece)``; returns ``list[RowText]``."""
+    states = [TextState(tokenizer, stop) for _ in pre.batch.lengths]
+    stopped: set[int] = set()
+    finished: dict[int, Finished] = {}
+    events = decode(runner, pre, name, options, stopped)
+    try:
+        for event in events:
+            state = states[event.row]
+            if isinstance(event, Token):
+                piece = state.push(event.token_id)
+                if state.finished:
+                    stopped.add(event.row)
+            else:
+                finished[event.row] = event
+                state.finished = state.finished or event.reason
+                piece = state.flush()
+            if piece:
+                yield event.row, piece
+    finally:
+        events.close()
+    return [RowText(text=state.text, finish_reason=state.finished or "length", token_ids=state.ids,
+                    decode_ms_per_token=finished[row].ms_per_token, decode_step_ms=finished[row].step_ms)
+            for row, state in enumerate(states)]

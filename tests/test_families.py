@@ -1,0 +1,257 @@
+"""The family matrix: every supported transformers family at toy size, through the whole engine.
+
+For each family: the full cache reproduces ``model.generate``; a budget above the prompt is the full
+cache; a budget below it keeps, layer by layer, the K/V transformers itself would cache at exactly
+the positions an independent SnapKV (written here from queries and keys captured by this test's own
+attention function, with the layer's own scale, soft-cap and sinks) selects; ``kept_tokens`` is what
+the cache physically holds; a padded batch equals single calls; ``compare`` equals ``generate``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from families import FAMILIES, tiny_model
+from snapkv_rag import H2OConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
+from snapkv_testing import capture_caches, filler_documents
+
+BUDGET = SnapKVConfig(max_capacity_prompt=64, window_size=8)
+NEW = 20
+QUESTION = "Which harbour lies north?"
+NAMES = list(FAMILIES)
+_models: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Toy models are all overhead: one thread is ~10x faster than two on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def model_of(name: str, vocab: int, dtype=torch.float32):
+    key = (name, dtype)
+    if key not in _models:
+        _models[key] = tiny_model(name, vocab, dtype)
+    return _models[key]
+
+
+@pytest.fixture(params=NAMES)
+def family(request, tokenizer):
+    return request.param, SnapKVLLM(model=model_of(request.param, len(tokenizer)), tokenizer=tokenizer,
+                                    max_new_tokens=NEW)
+
+
+def reference_text(llm, tokenizer, ids):
+    out = llm.model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, pad_token_id=2,
+                             eos_token_id=2)[0, len(ids):].tolist()
+    return tokenizer.decode(out[: out.index(2)] if 2 in out else out, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_full_cache_equals_model_generate(name, dtype, tokenizer):
+    llm = SnapKVLLM(model=model_of(name, len(tokenizer), dtype), tokenizer=tokenizer, max_new_tokens=NEW)
+    docs = filler_documents(4)
+    result = llm.generate(QUESTION, docs, snapkv=False)
+    assert result.usage.completion_tokens > 0
+    assert result.text == reference_text(llm, tokenizer, llm.request(QUESTION, docs).input_ids)
+
+
+def test_budget_above_the_prompt_is_the_full_cache(family):
+    _, llm = family
+    docs = filler_documents(4)
+    full = llm.generate(QUESTION, docs, snapkv=False)
+    big = llm.generate(QUESTION, docs, snapkv=SnapKVConfig(max_capacity_prompt=4096))
+    assert big.text == full.text and big.compression.kept_tokens == full.compression.kept_tokens
+    assert big.compression.ratio == 1.0
+
+
+# ---------------------------------------------------------------- an independent SnapKV
+class Capture:
+    """This test's own attention function: records each layer's query, key and scoring kwargs,
+    then attends as the engine's base implementation does (so later layers see the same inputs)."""
+
+    def __init__(self, base: str):
+        self.calls: dict[int, tuple] = {}
+        self.base = base
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        self.calls[module.layer_idx] = (query.detach().clone(), key.detach().clone(), kwargs.get("scaling"),
+                                        kwargs.get("softcap"), kwargs.get("s_aux"))
+        if self.base == "eager":
+            import sys
+            return getattr(sys.modules[type(module).__module__], "eager_attention_forward")(
+                module, query, key, value, attention_mask, **kwargs)
+        return ALL_ATTENTION_FUNCTIONS[self.base](module, query, key, value, attention_mask, **kwargs)
+
+
+def reference_positions(query, key, scale, softcap, sinks, budget: int, window: int, shared: bool) -> torch.Tensor:
+    """SnapKV over ``key`` ``[1, H_kv, n, D]`` voted by the last ``window`` queries ``[1, H, n, D]``."""
+    n = key.shape[-2]
+    if n <= budget:
+        return torch.arange(n).expand(1, 1 if shared else key.shape[1], n)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    keys = key.float().repeat_interleave(heads // kv_heads, dim=1)
+    logits = query[..., -window:, :].float() @ keys.transpose(-1, -2) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    causal = torch.arange(n)[None, :] <= torch.arange(n - window, n)[:, None]
+    logits = logits.masked_fill(~causal, float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.float().view(1, heads, 1, 1).expand(1, heads, window, 1)], dim=-1)
+    weights = logits.softmax(dim=-1)[..., :n].sum(dim=-2)  # [1, H, n]
+    groups = heads if shared else heads // kv_heads
+    votes = weights.view(1, heads // groups, groups, n).mean(dim=2)[..., : n - window]
+    pooled = F.max_pool1d(votes, 7, stride=1, padding=3)
+    chosen = []
+    for head in range(pooled.shape[1]):
+        ranked = sorted(range(n - window), key=lambda p: (-pooled[0, head, p].item(), p))
+        chosen.append(sorted(ranked[: budget - window] + list(range(n - window, n))))
+    return torch.tensor([chosen])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kept_kv_are_the_full_kv_at_an_independent_snapkv_selection(name, tokenizer):
+    model = model_of(name, len(tokenizer))
+    llm = SnapKVLLM(model=model, tokenizer=tokenizer)
+    ids = llm.request(QUESTION, filler_documents(5)).input_ids
+    length = len(ids)
+    capture, dyn = Capture(llm.attn_implementation), DynamicCache(config=model.config)
+    AttentionInterface.register("family_capture", capture)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("family_capture", ALL_MASK_ATTENTION_FUNCTIONS[llm.attn_implementation])
+    model.set_attn_implementation("family_capture")
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([ids]), **{llm.runner.cache_kwarg: dyn}, use_cache=True)
+    finally:
+        llm.close()
+    from snapkv_rag.generation import Batch, prefill
+
+    pre = prefill(llm.runner, Batch.of([ids], 2), {"snap": BUDGET}, room=1)
+    checked = 0
+    for i, layer in enumerate(pre.caches["snap"].layers):
+        if i not in capture.calls:  # a linear-attention layer: passed through
+            assert not hasattr(layer, "positions")
+            continue
+        query, key, scale, softcap, sinks = capture.calls[i]
+        full_k, full_v = dyn.layers[i].keys, dyn.layers[i].values  # what transformers caches
+        share = full_k.shape[-2]
+        start = length - share
+        shared = key.shape[1] != full_k.shape[1]  # a latent shared by all heads (DeepSeek-V3)
+        expected = reference_positions(query[..., start:, :], key[..., start:, :], scale, softcap, sinks,
+                                       BUDGET.max_capacity_prompt, BUDGET.window_size, shared) + start
+        if shared:
+            expected = expected.expand(1, full_k.shape[1], -1)
+        kept = layer.positions[:, :, : layer.prompt_slots]
+        assert torch.equal(kept, expected), f"layer {i}"
+        index = (kept - start)[..., None]
+        assert torch.equal(layer.keys[:, :, : layer.prompt_slots], full_k.gather(2, index.expand(-1, -1, -1, full_k.shape[-1])))
+        assert torch.equal(layer.values[:, :, : layer.prompt_slots], full_v.gather(2, index.expand(-1, -1, -1, full_v.shape[-1])))
+        checked += 1
+    assert checked >= 1
+    if isinstance(dyn.layers[0], DynamicSlidingWindowLayer):  # the sliding share is never exceeded
+        assert pre.caches["snap"].layers[0].prompt_slots <= dyn.layers[0].sliding_window - 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reported_kept_tokens_are_what_the_cache_holds(name, tokenizer):
+    llm = SnapKVLLM(model=model_of(name, len(tokenizer)), tokenizer=tokenizer)
+    kinds = [spec.kind for spec in llm.runner.specs]
+    seen, handle = capture_caches(llm.model) if "recurrent" not in kinds else (None, None)
+    try:
+        result = llm.generate(QUESTION, filler_documents(5), snapkv=BUDGET, max_new_tokens=3)
+    finally:
+        if handle is not None:
+            handle.remove()
+    length = result.usage.prompt_tokens
+    windows = [spec.window for spec in llm.runner.specs]
+    expected = [length if kind == "recurrent" else min(length, 64, (window or 10**9) - 1)
+                for kind, window in zip(kinds, windows)]
+    assert result.compression.kept_tokens == expected
+    if seen is not None:
+        assert seen[1] == expected  # held by each layer when the first decode step runs
+    assert result.compression.ratio < 1.0
+
+
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_padded_batch_equals_single_calls(family, pooling):
+    _, llm = family
+    config = SnapKVConfig(max_capacity_prompt=64, window_size=8, pooling=pooling)
+    questions = ["Which harbour lies north?", "Name the orchard.", "What lies north?", "Which castle?"]
+    docs = [filler_documents(6), filler_documents(1), filler_documents(4), filler_documents(2)]
+    batch = llm.generate_batch(questions, docs, snapkv=config, max_new_tokens=NEW)
+    single = [llm.generate(q, d, snapkv=config, max_new_tokens=NEW) for q, d in zip(questions, docs)]
+    assert len({r.usage.prompt_tokens for r in single}) == 4
+    assert [r.text for r in batch] == [r.text for r in single]
+    assert [r.compression.kept_tokens for r in batch] == [r.compression.kept_tokens for r in single]
+
+
+def test_compare_equals_generate_for_every_method(family):
+    _, llm = family
+    methods = {"full": None, "snapkv": BUDGET, "pyramid": PyramidKVConfig(max_capacity_prompt=64, window_size=8),
+               "streaming": StreamingLLMConfig(max_capacity_prompt=64), "h2o": H2OConfig(max_capacity_prompt=64, recent_size=8),
+               "random": RandomConfig(max_capacity_prompt=64, recent_size=8)}
+    docs = filler_documents(4)
+    both = llm.compare(QUESTION, docs, methods=methods, max_new_tokens=10)
+    for name, config in methods.items():
+        alone = llm.generate(QUESTION, docs, snapkv=config, max_new_tokens=10)
+        assert both.results[name].text == alone.text, name
+        assert both.results[name].compression.kept_tokens == alone.compression.kept_tokens, name
+    assert set(both.hit_rate) == set(methods) - {"full"}
+
+
+def test_a_model_without_sdpa_falls_back_to_eager_with_one_log_line(tokenizer, caplog):
+    model = model_of("gpt-oss", len(tokenizer))  # transformers: no sdpa for its attention sinks
+    with caplog.at_level("INFO", logger="snapkv_rag"):
+        llm = SnapKVLLM(model=model, tokenizer=tokenizer)
+    assert llm.attn_implementation == "eager"
+    lines = [r.getMessage() for r in caplog.records if r.name == "snapkv_rag"]
+    assert len(lines) == 1 and "eager" in lines[0] and "GptOssForCausalLM" in lines[0]
+    with pytest.raises(ValueError, match="GptOssForCausalLM cannot run 'sdpa'.*'eager'"):
+        SnapKVLLM(model=model, tokenizer=tokenizer, attn_implementation="sdpa")
+    assert llm.generate(QUESTION, filler_documents(2), snapkv=BUDGET, max_new_tokens=4).usage.completion_tokens > 0
+
+
+def test_mlp_slicing_runs_moe_mlps_that_return_router_logits_whole(tokenizer):
+    """GPT-OSS's MLP returns (output, router logits): sliced prefill must not break on it."""
+    model = model_of("gpt-oss", len(tokenizer))
+    sliced = SnapKVLLM(model=model, tokenizer=tokenizer, prefill_chunk=16)
+    whole = SnapKVLLM(model=model, tokenizer=tokenizer, prefill_chunk=None)
+    docs = filler_documents(3)
+    a, b = (llm.generate(QUESTION, docs, snapkv=BUDGET, max_new_tokens=8) for llm in (sliced, whole))
+    assert a.usage.prompt_tokens > 16 and a.text == b.text
+    assert a.compression.kept_tokens == b.compression.kept_tokens
+
+
+def test_closing_the_engine_gives_the_model_its_attention_back(tokenizer):
+    model = model_of("llama", len(tokenizer))
+    before = model.config._attn_implementation.removeprefix("snapkv_")
+    llm = SnapKVLLM(model=model, tokenizer=tokenizer)
+    assert model.config._attn_implementation == "snapkv_sdpa"
+    llm.close()
+    assert model.config._attn_implementation == before == "sdpa"
+    assert llm.generate(QUESTION, max_new_tokens=2).usage.completion_tokens > 0  # it re-attaches when used
+
+
+def test_an_unsupported_layer_kind_is_refused_before_any_work_naming_the_model_type(tokenizer):
+    from snapkv_rag.cache import UnsupportedModelError
+    from snapkv_testing import tiny_llama
+
+    model = tiny_llama(len(tokenizer), layer_types=["chunked_attention", "full_attention"])
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(UnsupportedModelError, match="model type 'llama' has chunked_attention layers.*supports"):
+            SnapKVLLM(model=model, tokenizer=tokenizer)
+    finally:
+        handle.remove()
+    assert calls == []
