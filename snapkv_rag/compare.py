@@ -32,6 +32,16 @@ class Comparison:
     hit_rate: dict[str, float]
     prefill_s: float
 
+    def __repr__(self) -> str:
+        """One line per method (answer, kept tokens, decode speed, hit rate); documents not repeated."""
+        lines = [f"Comparison(prefill {self.prefill_s:.2f} s, shared by {len(self.results)} methods)"]
+        for name, r in self.results.items():
+            text = r.text if len(r.text) <= 60 else r.text[:57] + "..."
+            rate = f", hit rate {self.hit_rate[name]:.2f}" if name in self.hit_rate else ""
+            lines.append(f"  {name}: {text!r}, kept {max(r.compression.kept_tokens, default=0)}/"
+                         f"{r.compression.prompt_tokens}, {r.timings.decode_ms_per_token:.1f} ms/token{rate}")
+        return "\n".join(lines)
+
 
 def kept_positions(cache: KVCache, row: int = 0) -> dict[int, torch.Tensor]:
     """Per attention layer, the prompt positions ``[1, H_kv, n]`` a cache holds for ``row``."""

@@ -11,6 +11,7 @@ the answer it would get alone; an abandoned stream holds no lock.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
@@ -24,6 +25,7 @@ from .text import Message, Request, check_question, decode_text, encode_request
 from .threads import iterate_in_thread
 
 Comparison = comparing.Comparison
+log = logging.getLogger(__name__)
 OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "snapkv")
 
 
@@ -117,7 +119,8 @@ class SnapKVLLM:
 
     def request(self, question_or_messages: str | Sequence[Message],
                 documents: Sequence[DocumentLike] | None = None) -> Request:
-        """The prompt ``generate`` (a question) or ``chat`` (messages) would run, as token ids."""
+        """The prompt ``generate`` (a question) or ``chat`` (messages) would run: ``.text`` (chat
+        template applied), ``.input_ids`` and the numbered ``.documents``. Nothing runs."""
         return encode_request(self.tokenizer, self._messages(question_or_messages), documents, self.instruction)
 
     def prompt_tokens(self, question: str, documents: Sequence[DocumentLike] | None = None) -> int:
@@ -252,8 +255,16 @@ class SnapKVLLM:
         except torch.OutOfMemoryError as error:
             pre = None  # free the partial cache before the error travels up with this frame
             raise self._out_of_memory(error, longest, len(requests), config) from error
-        yield [build_result(rows[i], r.documents, len(r.input_ids), pre.caches[""], i, pre.prefill_s,
-                            pre.selection_ms("")) for i, r in enumerate(requests)]
+        results = [build_result(rows[i], r.documents, len(r.input_ids), pre.caches[""], i, pre.prefill_s,
+                                pre.selection_ms(""), batch_size=len(requests)) for i, r in enumerate(requests)]
+        if log.isEnabledFor(logging.INFO):
+            for result in results:
+                c, t = result.compression, result.timings
+                log.info("%s: kept %d of %d prompt tokens per layer (%s), prefill %.2f s%s, %d tokens at %.1f ms/token"
+                         " (%s)", self.model_name, max(c.kept_tokens, default=0), c.prompt_tokens, c.method,
+                         t.prefill_s, f" (a batch of {t.batch_size})" if t.batch_size > 1 else "",
+                         result.usage.completion_tokens, t.decode_ms_per_token, result.finish_reason)
+        yield results
 
     def _out_of_memory(self, error: Exception, longest: int, batch: int, config) -> GenerationOutOfMemoryError:
         if self.device.type == "cuda":

@@ -39,6 +39,9 @@ class Timings:
     prefill_s: float
     decode_ms_per_token: float
     decode_step_ms: list[float] = field(default_factory=list)
+    batch_size: int = 1
+    """How many requests shared the prefill (``generate_batch``): ``prefill_s`` is that batch's
+    prefill, the wait this request had before its first token; the decode figures are its own."""
 
 
 @dataclass
@@ -74,7 +77,7 @@ class GenerationResult:
 
 
 def build_result(row_text, documents: list[Document], prompt_tokens: int, cache, row: int, prefill_s: float,
-                 selection_ms: float) -> GenerationResult:
+                 selection_ms: float, batch_size: int = 1) -> GenerationResult:
     """A :class:`GenerationResult` for row ``row``: its text (a :class:`snapkv_rag.text.RowText`) and
     the figures of the cache it decoded from (kept tokens and bytes read from the cache's buffers)."""
     full_bytes, kept_bytes = cache.kv_bytes(row, prompt_tokens)
@@ -87,5 +90,5 @@ def build_result(row_text, documents: list[Document], prompt_tokens: int, cache,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(row_text.token_ids)),
         compression=compression,
         timings=Timings(prefill_s=prefill_s, decode_ms_per_token=row_text.decode_ms_per_token,
-                        decode_step_ms=list(row_text.decode_step_ms)),
+                        decode_step_ms=list(row_text.decode_step_ms), batch_size=batch_size),
         finish_reason=row_text.finish_reason, documents=documents)

@@ -20,10 +20,12 @@ ROLES = ("system", "user", "assistant")
 
 @dataclass
 class Request:
-    """One prompt ready to run: its token ids and the documents it numbers ``[1]..[N]``."""
+    """One prompt ready to run: the text the model sees (chat template applied), its token ids and
+    the documents it numbers ``[1]..[N]``."""
 
     input_ids: list[int]
     documents: list[Document]
+    text: str = ""
 
 
 @dataclass
@@ -75,7 +77,7 @@ def encode_request(tokenizer, messages: Sequence[Message], documents: Sequence[D
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     else:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    return Request(input_ids=tokenizer(text, add_special_tokens=False).input_ids, documents=docs)
+    return Request(input_ids=tokenizer(text, add_special_tokens=False).input_ids, documents=docs, text=text)
 
 
 class TextState:
