@@ -241,7 +241,7 @@ def _engine(args, engine, make_engine, instruction):
         from .distributed import connect
         factory = make_engine or partial(SnapKVLLM, args.model, device=args.device, dtype=args.dtype,
                                          instruction=instruction)
-        return connect(args.ray, args.ray_workers, factory, instruction)
+        return connect(args.ray, args.ray_workers, factory, instruction, args.device)
     try:
         llm = engine or SnapKVLLM(args.model, device=args.device, dtype=args.dtype, instruction=instruction)
     except ValueError as error:  # an unknown model, device or dtype: one line, not a traceback
