@@ -35,9 +35,9 @@ DEFAULTS = {"datasets": "nq", "num_docs": ["5,10,20"], "gold_positions": "first,
             "methods": "full,snapkv,streaming", "budgets": "25%,50%", "max_new_tokens": 32}
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m evals",
+        prog=prog,
         description="RAG accuracy evals for snapkv-rag: answer F1, citation F1 and fidelity to the full cache "
                     "as the number of documents and the gold position vary, for several KV-cache methods that "
                     "share one prefill per prompt.",
@@ -167,11 +167,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None, engine=None, make_engine=None) -> int:
-    """Entry point. ``engine`` (a SnapKVLLM) replaces loading ``--model``; ``make_engine`` (a picklable
-    function returning one) does so on Ray actors (tests pass a tiny model)."""
+def main(argv: list[str] | None = None, engine=None, make_engine=None, prog: str = "python -m evals") -> int:
+    """Entry point (also ``snapkv-rag eval``, with its ``prog``). ``engine`` (a SnapKVLLM) replaces
+    loading ``--model``; ``make_engine`` (a picklable function returning one) does so on Ray actors
+    (tests pass a tiny model)."""
     argv = sys.argv[1:] if argv is None else argv
-    args = resolve(parser().parse_args(argv))
+    args = resolve(parser(prog).parse_args(argv))
     from . import report
     if args.report_only:
         report.write_all(args.out)
