@@ -73,7 +73,7 @@ class RayPool:
                 ray.init(num_cpus=max(cpus, workers or 0), include_dashboard=False, runtime_env=runtime_env,
                          object_store_memory=256 * 2**20, log_to_driver=False)
             else:
-                ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+                ray.init(address=address, runtime_env=runtime_env)
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0)) if device is None or device.startswith("cuda") else 0
         count = workers or gpus or int(resources.get("CPU", 1))
