@@ -74,7 +74,8 @@ def depth_of(position: str) -> int | None:
     return int(position[1:]) if len(position) == 4 and position[0] == "d" and position[1:].isdigit() else None
 
 
-def depth_heatmaps(cells: Sequence[dict], methods: Sequence[str], metric: str, folder: Path) -> list[Path]:
+def depth_heatmaps(cells: Sequence[dict], methods: Sequence[str], metric: str, folder: Path, suffix: str = ""
+                   ) -> list[Path]:
     """The classic depth x length heatmap, one file per dataset with depth-labelled cells (needle,
     lines), one panel per method: mean ``metric`` of each (length, depth) cell, annotated."""
     written = []
@@ -101,14 +102,15 @@ def depth_heatmaps(cells: Sequence[dict], methods: Sequence[str], metric: str, f
         axes[0][0].set_ylabel("depth")
         fig.suptitle(f"{dataset}: {METRIC_LABELS.get(metric, metric)} by depth and length", fontsize=10)
         fig.tight_layout()
-        path = folder / f"heatmap_{dataset}.png"
+        path = folder / f"heatmap_{dataset}{suffix}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written
 
 
-METRIC_LABELS = {"subspan_em": "accuracy (answer inside the output)"}
+METRIC_LABELS = {"subspan_em": "accuracy (answer inside the output)",
+                 "identical_to_full": "fidelity (same answer as the full cache)"}
 
 
 def plot_all(rows: Sequence[dict], by_n: Sequence[dict], cells: Sequence[dict], folder: Path) -> list[Path]:
@@ -123,4 +125,5 @@ def plot_all(rows: Sequence[dict], by_n: Sequence[dict], cells: Sequence[dict], 
         written.append(folder / name)
     if against_position(cells, methods, "subspan_em", "accuracy (best-subspan EM)", folder / "accuracy_vs_position.png"):
         written.append(folder / "accuracy_vs_position.png")
-    return written + depth_heatmaps(cells, methods, "subspan_em", folder)
+    return (written + depth_heatmaps(cells, methods, "subspan_em", folder)
+            + depth_heatmaps(cells, [m for m in methods if m != "full"], "identical_to_full", folder, "_fidelity"))

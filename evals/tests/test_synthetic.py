@@ -73,5 +73,5 @@ def test_cli_runs_needle_and_lines_with_heatmaps(tiny, tmp_path):
         ("needle", 250, "d000"), ("needle", 250, "d100"), ("needle", 400, "d000"), ("needle", 400, "d100"),
         ("lines", 8, "d000"), ("lines", 8, "d100")}
     assert all(r["cit_f1"] is None for r in rows)
-    for name in ("heatmap_needle", "heatmap_lines"):
+    for name in ("heatmap_needle", "heatmap_lines", "heatmap_needle_fidelity", "heatmap_lines_fidelity"):
         assert (out / "plots" / f"{name}.png").stat().st_size > 1000
