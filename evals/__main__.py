@@ -24,14 +24,14 @@ import time
 from pathlib import Path
 
 PRESETS = {
-    "smoke": {"datasets": "nq,musique,kv", "num_docs": ["5"], "gold_positions": "last", "num_questions": 1,
+    "smoke": {"datasets": "nq,musique,kv", "num_docs": ["nq=5", "musique=5", "kv=5"], "gold_positions": "last", "num_questions": 1,
               "methods": "full,snapkv@128,pyramidkv@25%,streaming@25%,h2o@25%,random@25%",
               "budgets": "", "max_new_tokens": 8},
     "full": {"datasets": "nq,musique", "num_docs": ["nq=5,10,20,30", "musique=10,20"],
              "gold_positions": "first,middle,last", "num_questions": 100, "methods": "full,snapkv,streaming",
              "budgets": "25%,50%", "max_new_tokens": 32},
 }
-DEFAULTS = {"datasets": "nq", "num_docs": ["5,10,20"], "gold_positions": "first,middle,last", "num_questions": 20,
+DEFAULTS = {"datasets": "nq", "gold_positions": "first,middle,last", "num_questions": 20,
             "methods": "full,snapkv,streaming", "budgets": "25%,50%", "max_new_tokens": 32}
 
 
@@ -111,6 +111,7 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+DEFAULT_DOCS = [5, 10, 20]
 SYNTHETIC_DOCS = {"needle": [1000, 2000, 4000, 8000], "lines": [50, 100, 200, 300]}
 
 
@@ -142,12 +143,11 @@ def num_docs_by_dataset(values: list[str], datasets: list[str], optional: tuple[
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     preset = PRESETS["smoke"] if args.smoke else PRESETS["full"] if args.full else DEFAULTS
     if args.data and not (args.smoke or args.full):
-        preset = {**preset, "datasets": "", "num_docs": []}  # own data alone, all of each record's documents
-    if args.num_docs is None and not (args.smoke or args.full):  # the synthetic tests' lengths by default
-        synthetic = [d for d in _csv(args.datasets or "") if d in SYNTHETIC_DOCS]
-        if synthetic:
-            preset = {**preset, "num_docs": [*preset["num_docs"], *(f"{d}={','.join(map(str, SYNTHETIC_DOCS[d]))}"
-                                                                    for d in synthetic)]}
+        preset = {**preset, "datasets": ""}  # --data alone runs only the user's files
+    if args.num_docs is None and not (args.smoke or args.full):
+        # each named dataset its default N (the synthetic tests their lengths); --data files all their documents
+        args.num_docs = [f"{d}={','.join(map(str, SYNTHETIC_DOCS.get(d, DEFAULT_DOCS)))}"
+                         for d in _csv(args.datasets if args.datasets is not None else preset["datasets"])]
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
