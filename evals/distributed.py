@@ -83,7 +83,13 @@ class RayPool:
                   flush=True)
         actor = ray.remote(Worker).options(max_restarts=-1, max_task_retries=0, **per_actor)
         self.actors = [actor.remote(make_engine, instruction) for _ in range(count)]
-        self.infos = ray.get([a.info.remote() for a in self.actors])  # waits for every model to load
+        try:
+            self.infos = ray.get([a.info.remote() for a in self.actors])  # waits for every model to load
+        except ray.exceptions.RayActorError as error:  # the engine's constructor raised (model, device, dtype)
+            cause = getattr(error, "cause", None) or error
+            self.close()
+            raise SystemExit(f"--model/--device/--dtype: the Ray actors could not load the model: "
+                             f"{str(cause).strip().splitlines()[-1]}") from None
         self.context_window = min(i["context_window"] for i in self.infos)
         self.device = self.infos[0]["device"]
         self._lengths: dict[tuple, int] = {}
