@@ -18,7 +18,8 @@ from evals.__main__ import main
 from evals.tests.tiny import tiny_engine
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = ["--datasets", "kv,lines", "--num-docs", "kv=5,8", "--num-docs", "lines=6", "--gold-positions", "every",
+ARGS = ["--datasets", "kv,needle,lines", "--num-docs", "kv=5,8", "--num-docs", "needle=200", "--num-docs", "lines=6",
+        "--gold-positions", "every",
         "--depths", "0,100", "--num-questions", "2", "--methods", "full,snapkv@64,streaming@50%",
         "--max-new-tokens", "4", "--no-progress"]
 TIMING = {"prefill_s", "decode_ms_per_token", "selection_ms"}
@@ -33,14 +34,26 @@ def _table(out: Path) -> list[dict]:
         return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
 
 
-def test_ray_run_equals_single_process_through_an_actor_kill_and_a_resume(tmp_path, tiny, monkeypatch, capsys):
+@pytest.fixture
+def bounded():
+    """Fail, rather than hang the suite, if the Ray run takes over 10 minutes (2 minutes on 2 busy cores)."""
+    def stop(signum, frame):
+        raise TimeoutError("the Ray test ran over 600 s")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(600)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_ray_run_equals_single_process_through_an_actor_kill_and_a_resume(tmp_path, tiny, monkeypatch, capsys, bounded):
     pytest.importorskip("ray")
     from evals import distributed
 
     single, ray_out = tmp_path / "single", tmp_path / "ray"
     assert main([*ARGS, "--out", str(single)], engine=tiny) == 0
     reference = _rows(single)
-    assert len(reference) == (2 * (5 + 8) + 2 * 2) * 3
+    assert len(reference) == (2 * (5 + 8) + 2 * 2 + 2 * 2) * 3  # the needles sized by the actors' token counts
     # a run killed after 4 prompts (and a torn line): the Ray run resumes it
     ray_out.mkdir()
     lines = (single / "rows.jsonl").read_text().splitlines(keepends=True)
