@@ -46,7 +46,8 @@ def bounded():
     signal.signal(signal.SIGALRM, previous)
 
 
-def test_ray_run_equals_single_process_through_an_actor_kill_and_a_resume(tmp_path, tiny, monkeypatch, capsys, bounded):
+def test_ray_run_equals_single_process_through_an_actor_kill_and_a_resume(tmp_path, tiny, monkeypatch, capsys,
+                                                                          bounded):
     pytest.importorskip("ray")
     from evals import distributed
 
