@@ -258,7 +258,8 @@ def _run(args, argv, llm, examples, specs, instruction, own) -> int:
                 "max_new_tokens": args.max_new_tokens, "stop": args.stop, "seed": args.seed, "dtype": args.dtype,
                 "device": str(llm.device), "methods": [s.name for s in specs]}
     if own:
-        settings["data"] = [{"dataset": d.name, "file": str(d.path), "records": len({e.question_id for e in d.examples}),
+        settings["data"] = [{"dataset": d.name, "file": str(d.path),
+                             "records": len({e.question_id for e in d.examples}),
                              "skipped": len(d.skipped), "without_gold": d.without_gold} for d in own]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "command.txt").write_text("python -m evals " + shlex.join(argv) + "\n")

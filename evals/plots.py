@@ -84,8 +84,8 @@ def depth_heatmaps(cells: Sequence[dict], methods: Sequence[str], metric: str, f
         lengths = sorted({r["num_docs"] for r in mine})
         depths = sorted({depth_of(r["gold_position"]) for r in mine})
         shown = [m for m in methods if any(r["method"] == m for r in mine)]
-        fig, axes = plt.subplots(1, len(shown), figsize=((0.9 * len(lengths) + 2.2) * len(shown), 0.45 * len(depths) + 1.6),
-                                 squeeze=False, sharey=True)
+        size = ((0.9 * len(lengths) + 2.2) * len(shown), 0.45 * len(depths) + 1.6)
+        fig, axes = plt.subplots(1, len(shown), figsize=size, squeeze=False, sharey=True)
         for ax, method in zip(axes[0], shown):
             grid = np.full((len(depths), len(lengths)), np.nan)
             for r in mine:

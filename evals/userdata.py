@@ -99,7 +99,8 @@ def parse_record(record: Any, where: str, num_docs: int | None) -> tuple[str | N
         raise DataError(f"{where}: field 'question': expected a non-empty string, got {_show(record.get('question'))}")
     answers = record.get("answers")
     if not isinstance(answers, list) or not answers or not all(_is_text(a) for a in answers):
-        raise DataError(f"{where}: field 'answers': expected a non-empty list of non-empty strings, got {_show(answers)}")
+        raise DataError(f"{where}: field 'answers': expected a non-empty list of non-empty strings, "
+                        f"got {_show(answers)}")
     docs = _documents(record.get("documents"), where)
     gold = record.get("gold")
     if gold is not None:
@@ -109,7 +110,8 @@ def parse_record(record: Any, where: str, num_docs: int | None) -> tuple[str | N
                             f"got {_show(gold)}")
         bad = [g for g in gold if not 1 <= g <= len(docs)]
         if bad:
-            raise DataError(f"{where}: field 'gold': {bad} outside 1..{len(docs)} (the record has {len(docs)} documents)")
+            raise DataError(f"{where}: field 'gold': {bad} outside 1..{len(docs)} "
+                            f"(the record has {len(docs)} documents)")
         gold = sorted(set(gold))
     rid = record.get("id")
     if rid is not None and not (isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid).strip()):

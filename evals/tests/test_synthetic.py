@@ -35,7 +35,8 @@ def test_needle_sits_at_its_depth_once(needles):
         depth = int(e.gold_position[1:]) / 100
         assert abs(share - depth) < 0.1, (e.id, share)
     same_question = [e for e in needles if e.question_id == "0" and e.num_docs == 600]
-    haystacks = {e.documents[0]["text"].replace(synthetic.NEEDLE.format(number=e.answers[0]), "") for e in same_question}
+    haystacks = {e.documents[0]["text"].replace(synthetic.NEEDLE.format(number=e.answers[0]), "")
+                 for e in same_question}
     assert len({" ".join(h.split()) for h in haystacks}) == 1  # only the needle moves
 
 

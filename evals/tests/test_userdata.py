@@ -67,7 +67,8 @@ def test_num_docs_takes_the_first_n_or_fails_clearly(tmp_path):
     data = userdata.load(path, num_docs=[2, 3])
     assert [(e.num_docs, e.gold) for e in data.examples] == [(2, (2,)), (3, (2,)), (2, (1,)), (3, (1, 3))]
     assert data.examples[0].documents == tuple(userdata.parse_record(GOOD, "x", None)[1].documents[:2])
-    with pytest.raises(userdata.DataError, match=r"qa.jsonl:1: field 'documents': 3 documents, fewer than --num-docs 4"):
+    with pytest.raises(userdata.DataError,
+                       match=r"qa.jsonl:1: field 'documents': 3 documents, fewer than --num-docs 4"):
         userdata.load(path, num_docs=[4])
     with pytest.raises(userdata.DataError, match=r"qa.jsonl:1: field 'gold': every gold document \[2\] lies beyond"):
         userdata.load(path, num_docs=[1])
