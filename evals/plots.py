@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Sequence
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only: runs headless in CI and over ssh
 import matplotlib.pyplot as plt  # noqa: E402
@@ -41,7 +42,8 @@ def against_n(by_n: Sequence[dict], methods: Sequence[str], metric: str, ylabel:
 
 
 def against_position(cells: Sequence[dict], methods: Sequence[str], metric: str, ylabel: str, path: Path) -> bool:
-    panels = sorted({(r["dataset"], r["num_docs"]) for r in cells if r["gold_position"] != "shuffled"})
+    panels = sorted({(r["dataset"], r["num_docs"]) for r in cells  # positions set by the data are not a sweep
+                     if r["gold_position"] not in ("shuffled", "given") and depth_of(r["gold_position"]) is None})
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8), squeeze=False, sharey=True)
@@ -67,6 +69,50 @@ def against_position(cells: Sequence[dict], methods: Sequence[str], metric: str,
     return True
 
 
+def depth_of(position: str) -> int | None:
+    """``d050`` (a synthetic test's needle / asked-line depth in percent) -> 50; other labels -> None."""
+    return int(position[1:]) if len(position) == 4 and position[0] == "d" and position[1:].isdigit() else None
+
+
+def depth_heatmaps(cells: Sequence[dict], methods: Sequence[str], metric: str, folder: Path, suffix: str = ""
+                   ) -> list[Path]:
+    """The classic depth x length heatmap, one file per dataset with depth-labelled cells (needle,
+    lines), one panel per method: mean ``metric`` of each (length, depth) cell, annotated."""
+    written = []
+    for dataset in sorted({r["dataset"] for r in cells if depth_of(r["gold_position"]) is not None}):
+        mine = [r for r in cells if r["dataset"] == dataset and depth_of(r["gold_position"]) is not None]
+        lengths = sorted({r["num_docs"] for r in mine})
+        depths = sorted({depth_of(r["gold_position"]) for r in mine})
+        shown = [m for m in methods if any(r["method"] == m for r in mine)]
+        size = ((0.9 * len(lengths) + 2.2) * len(shown), 0.45 * len(depths) + 1.6)
+        fig, axes = plt.subplots(1, len(shown), figsize=size, squeeze=False, sharey=True)
+        for ax, method in zip(axes[0], shown):
+            grid = np.full((len(depths), len(lengths)), np.nan)
+            for r in mine:
+                if r["method"] == method and metric in r:
+                    grid[depths.index(depth_of(r["gold_position"])), lengths.index(r["num_docs"])] = r[metric]
+            ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="upper")
+            for (i, j), value in np.ndenumerate(grid):
+                if not np.isnan(value):
+                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
+            ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
+            ax.set_title(method, fontsize=9)
+            ax.set_xlabel("prompt tokens" if dataset == "needle" else "lines" if dataset == "lines" else "N")
+        axes[0][0].set_ylabel("depth")
+        fig.suptitle(f"{dataset}: {METRIC_LABELS.get(metric, metric)} by depth and length", fontsize=10)
+        fig.tight_layout()
+        path = folder / f"heatmap_{dataset}{suffix}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+METRIC_LABELS = {"subspan_em": "accuracy (answer inside the output)",
+                 "identical_to_full": "fidelity (same answer as the full cache)"}
+
+
 def plot_all(rows: Sequence[dict], by_n: Sequence[dict], cells: Sequence[dict], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     methods = method_order(rows)
@@ -79,4 +125,5 @@ def plot_all(rows: Sequence[dict], by_n: Sequence[dict], cells: Sequence[dict], 
         written.append(folder / name)
     if against_position(cells, methods, "subspan_em", "accuracy (best-subspan EM)", folder / "accuracy_vs_position.png"):
         written.append(folder / "accuracy_vs_position.png")
-    return written
+    return (written + depth_heatmaps(cells, methods, "subspan_em", folder)
+            + depth_heatmaps(cells, [m for m in methods if m != "full"], "identical_to_full", folder, "_fidelity"))

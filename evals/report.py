@@ -145,6 +145,23 @@ def collect_rows(out: Path) -> list[dict]:
     return rows
 
 
+def data_notes(out: Path, rows: Sequence[dict]) -> list[str]:
+    """What the summary must say about the data: datasets scored without citation metrics (no gold
+    documents given), and --data records left out as bad (from each run's run.json)."""
+    notes = []
+    no_gold = sorted({r["dataset"] for r in rows if "cit_f1" in r and r["cit_f1"] is None})
+    if no_gold:
+        notes.append(f"Citation metrics are left out for prompts without gold documents ({', '.join(no_gold)}): "
+                     "their cit columns average only the prompts that have gold, or show '-'.")
+    paths = [out / "run.json"] if (out / "run.json").exists() else sorted(out.glob("*/run.json"))
+    for path in paths:
+        for data in json.loads(path.read_text()).get("data", []):
+            if data.get("skipped"):
+                notes.append(f"--data {data['file']}: {data['skipped']} bad records skipped (--skip-bad), "
+                             f"{data['records']} used.")
+    return notes
+
+
 def write_all(out: Path) -> None:
     """summary.md, summary.csv and plots/ for the rows in ``out`` (or its subfolders)."""
     rows = collect_rows(out)
@@ -163,6 +180,7 @@ def write_all(out: Path) -> None:
         "the same prompts (an interval that excludes 0 is a measurable change); 'same as full', 'F1 vs full' "
         "and 'hit rate' measure fidelity to the full cache's greedy answer and decode attention. KV MB is "
         "the kept prompt cache per prompt; budget is tokens kept per layer.", "",
+        *(line for note in data_notes(out, rows) for line in (note, "")),
         "## By dataset and method (all N and positions)", "", markdown_table(overall, ("dataset", "method")), "",
         "## By dataset, N and method (all gold positions)", "", markdown_table(by_n, ("dataset", "num_docs", "method")),
         "", "## By dataset, gold position and method (all N)", "",

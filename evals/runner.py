@@ -24,6 +24,8 @@ from .metrics import answer_scores, citation_scores, fidelity_scores
 ROWS = "rows.jsonl"
 SETTINGS = "run.json"
 _SETTINGS_KEYS = ("model", "instruction", "max_new_tokens", "stop", "seed", "dtype")
+# a record without gold documents (--data without 'gold', needle, lines): citations are not scored
+NO_CITATION_SCORES = {"cit_precision": None, "cit_recall": None, "cit_f1": None}
 
 
 def prompt_tokens(llm: Any, example: Example) -> int:
@@ -58,10 +60,12 @@ def run_order(examples: Sequence[Example]) -> list[Example]:
     """Question-major and interleaved across datasets: a run stopped early still covers every cell
     with the same questions (useful when the full grid does not fit the time available)."""
     rank: dict[tuple[str, str], int] = {}
+    dataset_rank = {d: i for i, d in enumerate(DATASETS)}  # built-ins first, then in order of appearance
     for e in examples:
         rank.setdefault((e.dataset, e.question_id), sum(1 for d, _ in rank if d == e.dataset))
+        dataset_rank.setdefault(e.dataset, len(dataset_rank))
     indexed = list(enumerate(examples))
-    indexed.sort(key=lambda item: (rank[(item[1].dataset, item[1].question_id)], DATASETS.index(item[1].dataset),
+    indexed.sort(key=lambda item: (rank[(item[1].dataset, item[1].question_id)], dataset_rank[item[1].dataset],
                                    item[0]))
     return [e for _, e in indexed]
 
@@ -123,7 +127,7 @@ def example_rows(example: Example, comparison: Any, budgets: dict[str, int], mea
                "question": example.question, "answers": list(example.answers), "gold_docs": list(example.gold),
                "text": result.text, "citations": result.citations, "finish_reason": result.finish_reason,
                **answer_scores(result.text, example.answers),
-               **citation_scores(result.citations, example.gold),
+               **(citation_scores(result.citations, example.gold) if example.gold else NO_CITATION_SCORES),
                **fidelity_scores(result.text, full.text),
                "hit_rate": 1.0 if name == "full" else comparison.hit_rate.get(name),
                "prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
@@ -134,26 +138,37 @@ def example_rows(example: Example, comparison: Any, budgets: dict[str, int], mea
     return rows
 
 
-def run(llm: Any, examples: Sequence[Example], specs: Sequence[MethodSpec], out: Path, *, settings: dict,
-        max_new_tokens: int, stop: Sequence[str], resume: bool = True, progress: bool = True) -> Path:
-    """Run every example not yet in ``out/rows.jsonl``; returns the rows path."""
+def pending(llm: Any, examples: Sequence[Example], specs: Sequence[MethodSpec], out: Path, *, settings: dict,
+            max_new_tokens: int, resume: bool = True) -> tuple[Path, list[Example], dict]:
+    """Check the settings against ``out``, read back the finished rows and plan the budgets: the rows
+    path, the examples still to run (in run order) and the per-cell plans."""
     out.mkdir(parents=True, exist_ok=True)
     check_settings(out, settings, resume)
     path = out / ROWS
-    names = [s.name for s in specs]
-    done = load_rows(path, names) if resume else {}
+    done = load_rows(path, [s.name for s in specs]) if resume else {}
     _, plans = plan_budgets(llm, examples, specs, max_new_tokens)
-    todo = [e for e in run_order(examples) if e.id not in done]
+    return path, [e for e in run_order(examples) if e.id not in done], plans
+
+
+def append_rows(f, rows: Sequence[dict]) -> None:
+    """All rows of one example in a single write, flushed and fsync'ed: a kill tears at most this write."""
+    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def run(llm: Any, examples: Sequence[Example], specs: Sequence[MethodSpec], out: Path, *, settings: dict,
+        max_new_tokens: int, stop: Sequence[str], resume: bool = True, progress: bool = True) -> Path:
+    """Run every example not yet in ``out/rows.jsonl``; returns the rows path."""
+    path, todo, plans = pending(llm, examples, specs, out, settings=settings, max_new_tokens=max_new_tokens,
+                                resume=resume)
     bar = _progress(len(examples), len(examples) - len(todo), progress)
     with path.open("a", encoding="utf-8") as f:
         for example in todo:
             configs, budgets, mean_tokens = plans[cell_key(example)]
             comparison = llm.compare(example.question, list(example.documents), methods=configs, hit_rate=True,
                                      max_new_tokens=max_new_tokens, stop=list(stop))
-            rows = example_rows(example, comparison, budgets, mean_tokens, settings)
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-            f.flush()
-            os.fsync(f.fileno())
+            append_rows(f, example_rows(example, comparison, budgets, mean_tokens, settings))
             bar.update(1)
     bar.close()
     return path

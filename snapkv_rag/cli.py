@@ -181,6 +181,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_eval(argv: list[str]) -> int:
+    """``snapkv-rag eval ARGS`` is ``python -m evals ARGS``: the eval suite of the source repository
+    (``evals/`` beside this package), found wherever the command is run from."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "evals" / "__main__.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        from evals.__main__ import main as evals_main
+    except ImportError as error:
+        raise SystemExit(f"snapkv-rag: error: eval: the eval suite (evals/) comes with the source repository, "
+                         f"which this installation does not include ({error})") from error
+    return evals_main(argv, prog="snapkv-rag eval")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="snapkv-rag", description="Ask a question over your files with a "
                                      "SnapKV-compressed KV cache, or run the bundled side-by-side demo.")
@@ -214,10 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--questions", type=int, default=1, help="how many of the bundled questions to show "
                       "(default 1)")
     demo.set_defaults(func=cmd_demo)
+    sub.add_parser("eval", add_help=False, help="the eval suite, the same as python -m evals (snapkv-rag eval --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # every option after it belongs to the eval suite's own parser
+        return cmd_eval(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.ERROR if args.quiet else logging.INFO if args.verbose else logging.WARNING
