@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     # 1. the benchmark, with what the later steps do not need (its watchdog ends it 30 s past its budget)
     bench_s = left() - args.tests_s - args.evals_s - 35
     bench = [sys.executable, str(HERE / "gpu_decode.py"), str(out), "--time-budget-s", f"{bench_s:.0f}",
-             "--device", args.device] + (["--tiny", "--steps", "4", "--sizes", "160", "320", "--models", "tiny-gqa",
+             "--device", args.device] + (["--tiny", "--steps", "4", "--sizes", "160", "--models", "tiny-gqa",
                                           "--compile-estimate-s", "5"] if args.tiny else [])
     step("gpu_decode", bench, bench_s + 35, out, env, report)
 
