@@ -12,7 +12,7 @@ import numpy as np
 matplotlib.use("Agg")  # files only: runs headless in CI and over ssh
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .report import _position_key, method_order  # noqa: E402
+from .ordering import method_order, position_key  # noqa: E402
 
 
 def _errorbar(ax, xs, records: Sequence[dict], metric: str, label: str, offset: float) -> None:
@@ -49,7 +49,7 @@ def against_position(cells: Sequence[dict], methods: Sequence[str], metric: str,
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8), squeeze=False, sharey=True)
     for ax, (dataset, n) in zip(axes[0], panels):
         positions = sorted({r["gold_position"] for r in cells if r["dataset"] == dataset and r["num_docs"] == n},
-                           key=_position_key)
+                           key=position_key)
         for i, method in enumerate(methods):
             records = {r["gold_position"]: r for r in cells
                        if r["dataset"] == dataset and r["num_docs"] == n and r["method"] == method}

@@ -11,9 +11,11 @@ import csv
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
+
+from .ordering import method_order, position_key
 
 METRICS = {  # column -> (label, bootstrap CI?)
     "f1": ("answer F1", True), "f1_minus_full": ("F1 - full F1 (paired)", True),
@@ -25,7 +27,6 @@ METRICS = {  # column -> (label, bootstrap CI?)
 }
 TABLE_COLUMNS = ("f1", "f1_minus_full", "subspan_em", "cit_f1", "identical_to_full", "f1_vs_full", "hit_rate",
                  "kept_tokens", "kv_bytes_kept", "prefill_s", "decode_ms_per_token")
-_POSITION_ORDER = {"first": 0, "middle": 1, "last": 2, "shuffled": 3}
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -58,18 +59,6 @@ def add_paired_deltas(rows: Sequence[dict]) -> None:
             r["f1_minus_full"] = r["f1"] - full[r["example_id"]]
 
 
-def method_order(rows: Iterable[dict]) -> list[str]:
-    seen: list[str] = []
-    for r in rows:
-        if r["method"] not in seen:
-            seen.append(r["method"])
-    return seen
-
-
-def _position_key(position: str) -> tuple:
-    return (_POSITION_ORDER.get(position, 4), position)
-
-
 def aggregate(rows: Sequence[dict], keys: Sequence[str]) -> list[dict]:
     """One record per group of ``keys``: n, mean and CI of every metric, the budget."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -92,7 +81,7 @@ def aggregate(rows: Sequence[dict], keys: Sequence[str]) -> list[dict]:
         out.append(record)
 
     def sort_key(rec):
-        return tuple(methods.index(rec[k]) if k == "method" else _position_key(rec[k]) if k == "gold_position"
+        return tuple(methods.index(rec[k]) if k == "method" else position_key(rec[k]) if k == "gold_position"
                      else rec[k] for k in keys)
     return sorted(out, key=sort_key)
 
