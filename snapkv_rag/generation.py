@@ -211,14 +211,15 @@ def decode(runner: Runner, pre: Prefilled, name: str, options: SamplingOptions,
     done: set[int] = set()
     for step in range(options.max_new_tokens):
         tokens = sample(logits, options, generator)
+        picked = tokens.tolist()  # one device-to-host copy per step, not one per row
         for row in range(batch):
             if row in done:
                 continue
-            if row in stopped or int(tokens[row]) in runner.eos_ids:
+            if row in stopped or picked[row] in runner.eos_ids:
                 done.add(row)
                 yield Finished(row, "stop", tuple(step_ms))
             else:
-                yield Token(row, int(tokens[row]))
+                yield Token(row, picked[row])
                 if row in stopped:  # the caller stopped it on this very token
                     done.add(row)
                     yield Finished(row, "stop", tuple(step_ms))
