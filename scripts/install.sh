@@ -9,8 +9,8 @@ $py -m pip install -q --upgrade pip
 # torch first, pinned: an open range would pull a multi-GB CUDA build. Bring your own torch (CUDA)
 # by installing it into .venv before running this script.
 $py -c "import torch" 2>/dev/null || $py -m pip install -q "torch==2.13.0"
-extras="evals,examples"
-[ "${1:-}" = "--test" ] && extras="evals,examples,test,ray"
+extras="evals,examples,server"
+[ "${1:-}" = "--test" ] && extras="evals,examples,server,test,ray"
 $py -m pip install -q -e ".[${extras}]" -e integrations/langchain -e integrations/llama_index
 if [ "${1:-}" = "--test" ]; then
   $py -m pip install -q -e "integrations/langchain[test]" -e "integrations/llama_index[test]"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .config import SnapKVConfig
 from .files import DOC_SUFFIXES, DocumentFileError, collect_documents
+from .server import options as serve_options
 
 DEMO_FILE = Path(__file__).with_name("data") / "demo.jsonl"
 # the engine's and the configs' field names, as the flags that set them
@@ -60,7 +61,7 @@ def _quiet_loading(args) -> None:
     hf_logging.disable_progress_bar()
 
 
-def _engine(args, snapkv):
+def _engine(args, snapkv, **engine_options):
     import torch
 
     if args.max_new_tokens < 1:
@@ -72,7 +73,7 @@ def _engine(args, snapkv):
 
     log.info("loading %s", args.model or "the embedded default model")
     llm = SnapKVLLM(model=args.model, device=args.device, dtype=args.dtype, snapkv=snapkv,
-                    max_new_tokens=args.max_new_tokens)
+                    max_new_tokens=args.max_new_tokens, **engine_options)
     context = getattr(llm.model.config, "max_position_embeddings", None)
     budgets = [c.max_capacity_prompt for c in ([snapkv] if snapkv else [])] + list(getattr(args, "budgets", []))
     too_big = [b for b in budgets if context and isinstance(b, int) and b > context]
@@ -181,6 +182,16 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """``snapkv-rag serve``: the OpenAI-compatible server (:mod:`snapkv_rag.server`)."""
+    key = serve_options.check(args)
+    config = _config(args)
+    settings = _compression(args)
+    llm = _engine(args, config, max_batch=args.max_batch)
+    base = config or _snapkv(settings["budget"], settings)
+    return serve_options.run(llm, serve_options.settings(args, key, llm, config, base), args)
+
+
 def cmd_eval(argv: list[str]) -> int:
     """``snapkv-rag eval ARGS`` is ``python -m evals ARGS``: the eval suite of the source repository
     (``evals/`` beside this package), found wherever the command is run from."""
@@ -228,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--questions", type=int, default=1, help="how many of the bundled questions to show "
                       "(default 1)")
     demo.set_defaults(func=cmd_demo)
+    serve = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (chat and completions "
+                           "with documents, SSE streaming, metrics)")
+    serve_options.add_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
     sub.add_parser("eval", add_help=False, help="the eval suite, the same as python -m evals (snapkv-rag eval --help)")
     return parser
 

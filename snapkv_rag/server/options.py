@@ -1,0 +1,93 @@
+"""``snapkv-rag serve``: its own flags, the checks on who may connect, and running uvicorn.
+
+Importing this module imports neither the web framework nor torch (``snapkv-rag --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+
+from .protocol import ServerSettings
+
+KEY_VARIABLE = "SNAPKV_RAG_API_KEY"
+log = logging.getLogger("snapkv_rag.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-snapkv", dest="full", action="store_true", help="the same as --full")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model, "
+                        "or the embedded model's name)")
+    parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16; 1 = one "
+                        "at a time)")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429 "
+                        "(default 64)")
+    parser.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every endpoint "
+                        f"but /health (default: ${KEY_VARIABLE} if set)")
+    parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host without an API key")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413 "
+                        "(default 4 MiB)")
+    parser.add_argument("--max-documents", type=int, default=64, help="more documents in one request get 400 "
+                        "(default 64)")
+    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="allow browser requests from ORIGIN (repeatable; default: none)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM/Ctrl-C, seconds to let "
+                        "in-flight requests finish before they are cancelled (default 30)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check(args) -> str | None:
+    """The server flags, checked before the model loads; returns the API key (flag or variable)."""
+    for flag, value, least in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
+                               ("--max-queue", args.max_queue, 0), ("--max-body-bytes", args.max_body_bytes, 1),
+                               ("--max-documents", args.max_documents, 1)):
+        if value < least:
+            raise ValueError(f"{flag} {value}: must be at least {least}")
+    if args.port > 65535:
+        raise ValueError(f"--port {args.port}: must be at most 65535")
+    key = args.api_key or os.environ.get(KEY_VARIABLE) or None
+    if not is_loopback(args.host) and key is None and not args.allow_remote:
+        raise ValueError(f"--host {args.host}: listening beyond this machine without an API key; give --api-key "
+                         f"(or ${KEY_VARIABLE}), or --allow-remote to serve without one")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0")
+    return key
+
+
+def settings(args, key: str | None, llm, compression, base_compression) -> ServerSettings:
+    return ServerSettings(model_name=args.served_model_name or args.model or llm.model_name, api_key=key,
+                          max_batch=args.max_batch, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                          max_documents=args.max_documents, cors_origins=tuple(args.cors_origin),
+                          compression=compression, base_compression=base_compression)
+
+
+def run(llm, server_settings: ServerSettings, args) -> int:
+    """Serve until SIGTERM or Ctrl-C: then stop accepting, let in-flight requests finish for up to
+    ``--shutdown-timeout`` seconds, cancel the rest, and return 0."""
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(llm, server_settings)
+    level = "warning" if args.quiet else "info" if args.verbose else "warning"
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=args.verbose,
+                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
+    server = uvicorn.Server(config)
+    log.warning("serving %r on http://%s:%d/v1 (max batch %d, queue %d%s)", server_settings.model_name, args.host,
+                args.port, server_settings.max_batch, server_settings.max_queue,
+                ", API key required" if server_settings.api_key else "")
+    server.run()
+    log.warning("stopped")
+    return 0 if server.started else 1

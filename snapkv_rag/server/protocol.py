@@ -1,0 +1,308 @@
+"""OpenAI request bodies to engine calls, engine results to OpenAI response bodies: pure functions,
+no web framework. Every bad input is an :class:`APIError` carrying OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}`` and a 4xx status."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ..config import SnapKVConfig
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+SNAPKV_FIELDS = ("max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling")
+# OpenAI parameters this server cannot honour: refused by name rather than ignored in silence
+UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the HTTP layer needs to know besides the engine."""
+
+    model_name: str
+    api_key: str | None = None
+    max_batch: int = 16
+    max_queue: int = 64
+    max_body_bytes: int = 4 * 2**20
+    max_documents: int = 64
+    cors_origins: tuple[str, ...] = ()
+    compression: SnapKVConfig | None = SnapKVConfig()
+    """The server's default compression (``None``: the full cache); per-request ``snapkv`` objects
+    change fields of it (or of a default ``SnapKVConfig`` when it is ``None``)."""
+    base_compression: SnapKVConfig = field(default_factory=SnapKVConfig)
+
+
+class APIError(Exception):
+    """An HTTP error in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Call:
+    """One parsed request: what to pass to ``llm.stream_result`` and how to answer."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    prompt: str | list[dict]  # the question (completions) or the messages (chat)
+    documents: list[dict]
+    options: dict
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError as error:
+        raise APIError(400, f"the request body is not UTF-8 text: {error}", code="invalid_json") from None
+    except json.JSONDecodeError as error:
+        raise APIError(400, f"the request body is not valid JSON: {error.msg} at line {error.lineno} column "
+                       f"{error.colno}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}",
+                       code="invalid_json")
+    return body
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+def _typed(body: dict, name: str, kinds: tuple, what: str) -> Any:
+    """``body[name]`` when it is present and not null, checked against ``kinds`` (bools are not numbers)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise _bad(name, f"expected {what}, got {json.dumps(value)[:60]}", "invalid_type")
+    return value
+
+
+def _documents(items: Any, param: str, limit: int, already: int = 0) -> list[dict]:
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise _bad(param, 'expected a list of {"title", "text"} objects or strings', "invalid_type")
+    if already + len(items) > limit:
+        raise _bad(param, f"{already + len(items)} documents, more than this server takes ({limit})",
+                   "too_many_documents")
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            item = {"text": item}
+        if not isinstance(item, dict) or not isinstance(item.get("text"), str):
+            raise _bad(f"{param}[{i}]", 'expected {"title", "text"} with "text" a string, or a string',
+                       "invalid_type")
+        if item.get("title") is not None and not isinstance(item["title"], str):
+            raise _bad(f"{param}[{i}].title", "expected a string", "invalid_type")
+        out.append(item)
+    return out
+
+
+def _content(content: Any, param: str) -> str:
+    """A message's content: a string, or OpenAI's list of ``{"type": "text", "text"}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{param}[{i}]", 'only {"type": "text", "text": ...} parts are supported', "invalid_type")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(param, "expected a string or a list of text parts", "invalid_type")
+
+
+def _messages(body: dict, limit: int, documents: list[dict]) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects",
+                   "invalid_type" if messages is not None else "missing")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}]", 'expected an object with "role" and "content"', "invalid_type")
+        role = message.get("role")
+        if role not in ROLES:
+            raise _bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+                       "invalid_role")
+        documents.extend(_documents(message.get("documents"), f"messages[{i}].documents", limit, len(documents)))
+        out.append({"role": ROLES[role], "content": _content(message.get("content"), f"messages[{i}].content")})
+    return out
+
+
+def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | None:
+    """``"snapkv": false`` (full cache), ``true`` (the server's compression), or an object of
+    ``SnapKVConfig`` fields; ``budget`` takes tokens (512) or a share (``"50%"``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return (settings.compression or settings.base_compression) if value else False
+    if not isinstance(value, dict):
+        raise _bad("snapkv", "expected false, true or an object such as {\"max_capacity_prompt\": 512}", "invalid_type")
+    unknown = sorted(set(value) - set(SNAPKV_FIELDS))
+    if unknown:
+        raise _bad(f"snapkv.{unknown[0]}", f"unknown field; the fields are {', '.join(SNAPKV_FIELDS)}", "unknown_field")
+    fields = dict(value)
+    budget = fields.pop("budget", None)
+    if isinstance(budget, str) and budget.endswith("%"):
+        try:
+            fields["ratio"] = float(budget[:-1]) / 100
+        except ValueError:
+            raise _bad("snapkv.budget", f"expected tokens (512) or a share (\"50%\"), got {budget!r}") from None
+    elif budget is not None:
+        fields["max_capacity_prompt"] = budget
+    if [k for k in ("max_capacity_prompt", "ratio") if fields.get(k) is not None]:
+        fields.setdefault("max_capacity_prompt", None)
+        fields.setdefault("ratio", None)
+    try:
+        return replace(settings.compression or settings.base_compression, **fields)
+    except (ValueError, TypeError) as error:
+        name = str(error).split(":")[0]
+        raise _bad(f"snapkv.{name}" if name in SNAPKV_FIELDS else "snapkv", str(error)) from None
+
+
+def _options(body: dict, settings: ServerSettings) -> tuple[dict, bool, bool]:
+    for name in UNSUPPORTED:
+        if body.get(name):
+            raise _bad(name, "not supported by this server", "unsupported_parameter")
+    for name in ("logprobs", "echo"):
+        if _typed(body, name, (bool, int), "a boolean"):
+            raise _bad(name, "not supported by this server", "unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _typed(body, name, (int, float), "a number"):
+            raise _bad(name, "only 0 is supported", "unsupported_parameter")
+    n = _typed(body, "n", (int,), "an integer")
+    if n not in (None, 1):
+        raise _bad("n", f"only n=1 is supported, got {n}", "unsupported_parameter")
+    options: dict[str, Any] = {}
+    tokens = _typed(body, "max_completion_tokens", (int,), "an integer")
+    tokens = _typed(body, "max_tokens", (int,), "an integer") if tokens is None else tokens
+    if tokens is not None:
+        if tokens < 1:
+            raise _bad("max_tokens", f"must be at least 1, got {tokens}")
+        options["max_new_tokens"] = tokens
+    temperature = _typed(body, "temperature", (int, float), "a number")
+    if temperature is not None:
+        if not 0 <= temperature <= 2:
+            raise _bad("temperature", f"must be between 0 and 2, got {temperature}")
+        options["temperature"] = float(temperature)
+    top_p = _typed(body, "top_p", (int, float), "a number")
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise _bad("top_p", f"must be in (0, 1], got {top_p}")
+        options["top_p"] = float(top_p)
+    stop = _typed(body, "stop", (str, list), "a string or a list of strings")
+    if stop is not None:
+        if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
+            raise _bad("stop", "expected a string or a list of strings", "invalid_type")
+        options["stop"] = stop
+    seed = _typed(body, "seed", (int,), "an integer")
+    if seed is not None:
+        options["seed"] = seed
+    if _typed(body, "ignore_eos", (bool,), "a boolean"):
+        options["ignore_eos"] = True
+    response_format = _typed(body, "response_format", (dict,), "an object")
+    if response_format and response_format.get("type") != "text":
+        options["response_format"] = response_format
+    compression = _compression(body.get("snapkv"), settings)
+    if compression is not None:
+        options["snapkv"] = compression
+    stream = bool(_typed(body, "stream", (bool,), "a boolean"))
+    stream_options = _typed(body, "stream_options", (dict,), "an object") or {}
+    include_usage = _typed(stream_options, "include_usage", (bool,), "a boolean")
+    if stream_options and not stream:
+        raise _bad("stream_options", "only allowed with stream: true")
+    return options, stream, bool(include_usage)
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "expected the model's id as a string (GET /v1/models lists it)",
+                   "missing" if model is None else "invalid_type")
+    return model
+
+
+def parse_chat(body: dict, settings: ServerSettings) -> Call:
+    """``POST /v1/chat/completions``: documents from the top-level ``documents`` list (vLLM's field)
+    and from a ``documents`` list on any message, in that order."""
+    documents = _documents(body.get("documents"), "documents", settings.max_documents)
+    messages = _messages(body, settings.max_documents, documents)
+    options, stream, usage = _options(body, settings)
+    return Call("chat", _model(body), messages, documents, options, stream, usage)
+
+
+def parse_completion(body: dict, settings: ServerSettings) -> Call:
+    """``POST /v1/completions``: the prompt is the question of one user turn (chat template applied)."""
+    documents = _documents(body.get("documents"), "documents", settings.max_documents)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _bad("prompt", "expected one prompt as a string", "invalid_type" if prompt is not None else "missing")
+    if not prompt.strip():
+        raise _bad("prompt", "must not be empty")
+    options, stream, usage = _options(body, settings)
+    return Call("completion", _model(body), prompt, documents, options, stream, usage)
+
+
+# ---------------------------------------------------------------------------------- responses
+def usage(result) -> dict:
+    u = result.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+
+
+def extension(result) -> dict:
+    """The ``snapkv`` field of a response: citations, the cited documents and the compression figures."""
+    return {"citations": result.citations,
+            "cited_documents": [{"number": n, "title": result.documents[n - 1].title, "id": result.documents[n - 1].id}
+                                for n in result.citations],
+            "compression": asdict(result.compression),
+            "timings": {"prefill_s": result.timings.prefill_s,
+                        "decode_ms_per_token": result.timings.decode_ms_per_token}}
+
+
+def response(call: Call, call_id: str, created: int, result) -> dict:
+    if call.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                  "finish_reason": result.finish_reason, "logprobs": None}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+        kind = "text_completion"
+    return {"id": call_id, "object": kind, "created": created, "model": call.model, "choices": [choice],
+            "usage": usage(result), "snapkv": extension(result)}
+
+
+def chunk(call: Call, call_id: str, created: int, piece: str | None = None, result=None, role: bool = False) -> dict:
+    """One streamed event: a text piece, the opening role (chat), or the closing finish reason
+    (``result`` given; it carries the ``snapkv`` field)."""
+    reason = result.finish_reason if result is not None else None
+    if call.kind == "chat":
+        delta = {"role": "assistant", "content": ""} if role else {} if piece is None else {"content": piece}
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+        kind = "text_completion"
+    event = {"id": call_id, "object": kind, "created": created, "model": call.model, "choices": [choice]}
+    if call.include_usage:
+        event["usage"] = None
+    if result is not None:
+        event["snapkv"] = extension(result)
+    return event
+
+
+def usage_chunk(call: Call, call_id: str, created: int, result) -> dict:
+    kind = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
+    return {"id": call_id, "object": kind, "created": created, "model": call.model, "choices": [],
+            "usage": usage(result)}
