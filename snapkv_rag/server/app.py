@@ -92,7 +92,19 @@ def _sse(event: dict | str) -> str:
 def create_app(llm, settings: ServerSettings) -> FastAPI:
     """The app for one engine. ``llm`` needs ``request``, ``stream_result``, ``context_window`` and
     ``max_new_tokens`` (and ``stats()`` for the queue metrics, where the engine has it)."""
-    state = {"in_flight": 0, "accepting": True}
+    state = {"in_flight": 0, "accepting": True, "cancel_at": None}
+
+    def shutdown(grace_s: float) -> None:
+        """Stop admitting; requests still running ``grace_s`` seconds from now are cancelled at
+        their next token (a stream ends with an error event, a plain request gets 503)."""
+        state["accepting"] = False
+        state["cancel_at"] = time.monotonic() + grace_s
+
+    def cancelled() -> bool:
+        return state["cancel_at"] is not None and time.monotonic() >= state["cancel_at"]
+
+    shutting_down = APIError(503, "the server is shutting down: this request was cancelled", type="server_error",
+                             code="shutting_down")
 
     def load() -> tuple[int, int]:
         stats = getattr(llm, "stats", None)
@@ -205,6 +217,8 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
                         seen = True
                     if not isinstance(item, str):
                         break
+                    if cancelled():
+                        raise shutting_down
                     if await request.is_disconnected():
                         metrics.requests.labels(endpoint, "499").inc()
                         return Response(status_code=499)
@@ -229,6 +243,9 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
                         first_piece(item)
                         seen = True
                     yield _sse(protocol.chunk(call, call_id, created, item))
+                    if cancelled():
+                        yield _sse(shutting_down.body())
+                        return
                     item = await anext(pieces)
             except (GenerationOutOfMemoryError, RuntimeError) as error:
                 log.error("stream %s failed: %s", call_id, error)
@@ -281,5 +298,5 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
                            allow_headers=["Authorization", "Content-Type"])
     else:
         app.add_middleware(Guard, settings=settings)
-    app.state.metrics, app.state.status = metrics, state
+    app.state.metrics, app.state.status, app.state.shutdown = metrics, state, shutdown
     return app

@@ -9,6 +9,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
 
 from .protocol import ServerSettings
 
@@ -81,13 +82,27 @@ def run(llm, server_settings: ServerSettings, args) -> int:
     from .app import create_app
 
     app = create_app(llm, server_settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # uvicorn's handler for SIGTERM and SIGINT
+            app.state.shutdown(args.shutdown_timeout)
+            super().handle_exit(sig, frame)
+
     level = "warning" if args.quiet else "info" if args.verbose else "warning"
+    # uvicorn's own timeout is the backstop for a request that has not produced a token by then
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=args.verbose,
-                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 10, lifespan="on")
+    server = Server(config)
     log.warning("serving %r on http://%s:%d/v1 (max batch %d, queue %d%s)", server_settings.model_name, args.host,
                 args.port, server_settings.max_batch, server_settings.max_queue,
                 ", API key required" if server_settings.api_key else "")
-    server.run()
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again to the handler
+    # it found: a quiet one here, so that a requested stop exits with status 0
+    stops = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in stops.items():
+            signal.signal(sig, handler)
     log.warning("stopped")
     return 0 if server.started else 1

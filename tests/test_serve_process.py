@@ -1,0 +1,124 @@
+"""The real ``snapkv-rag serve`` process on a free loopback port with a tiny random model folder:
+the exposure check, and SIGTERM (finish in-flight requests, or cancel them after the timeout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_testing import free_port, sse_events
+from snapkv_rag.cli import main
+from snapkv_testing import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def serve(folder: Path, *flags: str):
+    """A started server process and its base URL, once /health answers."""
+    port = free_port()
+    script = Path(sys.executable).with_name("snapkv-rag")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "snapkv_rag.cli"]
+    process = subprocess.Popen([*command, "serve", "--model", str(folder), "--port", str(port), *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "SNAPKV_RAG_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the server exited: {process.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise AssertionError("the server did not start within 180 s")
+
+
+def stream_in_thread(url: str, folder: Path, max_tokens: int):
+    events: list = []
+    body = {"model": str(folder), "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+
+    def read():
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as reply:
+                events.extend(sse_events(reply))
+        except httpx.TransportError as error:  # cut by the server
+            events.append(error)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(events) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(events) >= 3, "the stream did not start"
+    return thread, events
+
+
+def refused(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=1)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--host", "0.0.0.0"], "--host 0.0.0.0: listening beyond this machine without an API key"),
+    (["--max-batch", "0"], "--max-batch 0: must be at least 1"),
+    (["--port", "70000"], "--port 70000: must be at most 65535"),
+])
+def test_bad_serve_flags_are_refused_before_the_model_loads(capsys, flags, words):
+    assert main(["serve", "--model", "no/such-model-anywhere", *flags]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_sigterm_stops_accepting_finishes_the_in_flight_stream_and_exits_cleanly(model_folder):
+    process, url = serve(model_folder, "--shutdown-timeout", "60")
+    try:
+        thread, events = stream_in_thread(url, model_folder, 300)
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not refused(url) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert refused(url), "still accepting connections after SIGTERM"
+        assert thread.is_alive() or events[-1] == "[DONE]"
+        thread.join(120)
+        assert process.wait(60) == 0
+    finally:
+        process.kill()
+    assert events[-1] == "[DONE]"  # the in-flight request was answered in full
+    assert events[-3]["choices"][0]["finish_reason"] == "length" and events[-2]["usage"]["completion_tokens"] == 300
+
+
+def test_sigterm_cancels_what_is_still_running_after_the_shutdown_timeout(model_folder):
+    process, url = serve(model_folder, "--shutdown-timeout", "1")
+    try:
+        thread, events = stream_in_thread(url, model_folder, 8000 - 200)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        waited = time.monotonic() - sent
+        thread.join(30)
+    finally:
+        process.kill()
+    assert waited < 10
+    assert "[DONE]" not in events and events[-1]["error"]["code"] == "shutting_down"  # cut at a token
+    output = process.stdout.read()
+    assert "Traceback" not in output, output
