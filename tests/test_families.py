@@ -183,7 +183,7 @@ def test_reported_kept_tokens_are_what_the_cache_holds(name, tokenizer):
 
 
 @pytest.mark.parametrize("pooling", ["max", "avg"])
-def test_padded_batch_equals_single_calls(family, pooling):
+def test_concurrent_batch_equals_single_calls(family, pooling):
     _, llm = family
     config = SnapKVConfig(max_capacity_prompt=64, window_size=8, pooling=pooling)
     questions = ["Which harbour lies north?", "Name the orchard.", "What lies north?", "Which castle?"]
