@@ -83,8 +83,8 @@ def test_llamaindex_openai_like_in_a_query_engine(server, tiny_engine, monkeypat
     from llama_index.llms.openai_like import OpenAILike
 
     seen = []
-    run = tiny_engine.stream_result
-    monkeypatch.setattr(tiny_engine, "stream_result", lambda prompt, docs, **o: seen.append(prompt) or run(prompt, docs, **o))
+    run = tiny_engine.astream_result  # the server's call into the engine, recorded to compare with
+    monkeypatch.setattr(tiny_engine, "astream_result", lambda prompt, docs, **o: seen.append(prompt) or run(prompt, docs, **o))
     llm = OpenAILike(model="tiny", api_base=server + "/v1", api_key="unused", is_chat_model=True,
                      context_window=8192, max_tokens=6, temperature=0)  # llama-index's default is 0.1
     facts = ["The harbour of Velmor was rebuilt in 1712.", "The orchard at Dunsby grows pears."]

@@ -2,8 +2,8 @@
 
 It parses and checks requests (:mod:`.protocol`), admits at most ``max_batch + max_queue`` at a
 time (429 beyond), counts the prompt against the context window before any work, then consumes the
-engine's ``stream_result`` from a worker thread. A client that goes away closes that iterator, which
-cancels its request in the engine. The batching itself is the engine's.
+engine's ``astream_result``. A client that goes away closes that iterator, which cancels its request
+in the engine (its batch slot is free within one decode step). The batching itself is the engine's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,7 +22,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from ..engine import ContextLengthError, GenerationOutOfMemoryError
-from ..threads import iterate_in_thread
 from . import protocol
 from .metrics import Metrics
 from .protocol import APIError, Call, ServerSettings
@@ -90,8 +88,8 @@ def _sse(event: dict | str) -> str:
 
 
 def create_app(llm, settings: ServerSettings) -> FastAPI:
-    """The app for one engine. ``llm`` needs ``request``, ``stream_result``, ``context_window`` and
-    ``max_new_tokens`` (and ``stats()`` for the queue metrics, where the engine has it)."""
+    """The app for one engine: ``llm`` is a :class:`~snapkv_rag.engine.SnapKVLLM` (``request``,
+    ``astream_result``, ``stats``, ``context_window``, ``max_new_tokens``)."""
     state = {"in_flight": 0, "accepting": True, "cancel_at": None}
 
     def shutdown(grace_s: float) -> None:
@@ -107,21 +105,13 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
                              code="shutting_down")
 
     def load() -> tuple[int, int]:
-        stats = getattr(llm, "stats", None)
-        if stats is not None:
-            s = stats()
-            return s.queued, s.running
-        running = min(state["in_flight"], 1)  # an engine without a scheduler runs one forward at a time
-        return state["in_flight"] - running, running
+        stats = llm.stats()
+        return stats.queued, stats.running
 
     metrics = Metrics(load)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        # one worker thread per admitted request: the default pool (a few threads) would queue them
-        loop = asyncio.get_running_loop()
-        loop.set_default_executor(ThreadPoolExecutor(settings.max_batch + settings.max_queue + 4,
-                                                     thread_name_prefix="snapkv-rag-request"))
         yield
         state["accepting"] = False
 
@@ -174,7 +164,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
     async def start(call: Call):
         """The engine's iterator, advanced to its first item: bad input raises here, before any header."""
-        pieces = iterate_in_thread(lambda: llm.stream_result(call.prompt, call.documents, **call.options))
+        pieces = llm.astream_result(call.prompt, call.documents, **call.options)
         try:
             return pieces, await anext(pieces)
         except ContextLengthError as error:
