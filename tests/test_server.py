@@ -54,8 +54,8 @@ def test_documents_inside_a_message_and_per_request_full_cache(server, tiny_engi
     assert inside["snapkv"]["compression"]["method"] == "full"
     assert inside["usage"]["prompt_tokens"] == len(tiny_engine.request(ASK, docs).input_ids)
     share = post(url, messages=ASK, documents=docs, max_tokens=2, snapkv={"budget": "50%"}).json()
-    prompt = share["usage"]["prompt_tokens"]
-    assert share["snapkv"]["compression"]["kept_tokens"][0] == max(128, -(-prompt // 2)) or prompt <= 128
+    prompt = share["usage"]["prompt_tokens"]  # 376 tokens: half of it is over the 128-token floor
+    assert prompt > 256 and share["snapkv"]["compression"]["kept_tokens"] == [-(-prompt // 2)] * 2
 
 
 def test_completions_and_models_and_health(server, tiny_engine):
@@ -175,7 +175,7 @@ def test_a_full_queue_gets_429_and_a_disconnected_stream_stops_generating(tiny_e
                 assert "max batch 1 + queue 0" in full.json()["error"]["message"]
             # the client is gone: the engine stops within a step or two, and the slot is free again
             deadline = time.monotonic() + 10
-            while app.state.status["in_flight"] and time.monotonic() < deadline:
+            while (app.state.status["in_flight"] or tiny_engine.stats().running) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert app.state.status["in_flight"] == 0 and tiny_engine.stats().running == 0
             time.sleep(0.3)

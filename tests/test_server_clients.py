@@ -57,14 +57,21 @@ def test_openai_streaming_with_usage(server, tiny_engine):
 
 
 async def test_openai_async_client_concurrent_requests_get_their_own_answers(server, tiny_engine):
+    from snapkv_rag import SnapKVConfig
+
     client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused")
-    replies = await asyncio.gather(*(client.chat.completions.create(model="tiny", messages=ask(q), max_tokens=6)
-                                     for q in QUESTIONS))
+    docs = [filler_documents(n) for n in (2, 5, 3, 4)]  # unequal prompts, budgets and the full cache
+    budgets = [64, False, 96, 200]
+    replies = await asyncio.gather(*(client.chat.completions.create(
+        model="tiny", messages=ask(q), max_tokens=6, extra_body={"documents": d, "snapkv": (
+            {"max_capacity_prompt": b} if b else False)}) for q, d, b in zip(QUESTIONS, docs, budgets)))
     assert [r.choices[0].message.content for r in replies] == \
-        [tiny_engine.chat(ask(q), max_new_tokens=6).text for q in QUESTIONS]
+        [tiny_engine.chat(ask(q), d, max_new_tokens=6, snapkv=b and SnapKVConfig(max_capacity_prompt=b)).text
+         for q, d, b in zip(QUESTIONS, docs, budgets)]
+    assert [r.model_extra["snapkv"]["compression"]["kept_tokens"][0] for r in replies][::2] == [64, 96]
     pieces = [c.choices[0].delta.content or "" async for c in await client.chat.completions.create(
         model="tiny", messages=ask(QUESTIONS[0]), max_tokens=6, stream=True)]
-    assert "".join(pieces) == replies[0].choices[0].message.content
+    assert "".join(pieces) == tiny_engine.chat(ask(QUESTIONS[0]), max_new_tokens=6).text
 
 
 def test_langchain_chat_openai_invoke_stream_batch(server, tiny_engine):

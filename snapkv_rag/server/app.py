@@ -194,19 +194,13 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             raise
         call_id, created = f"{'chatcmpl' if call.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
-        def first_piece(item):
-            if isinstance(item, str):
-                metrics.first_token.labels(endpoint).observe(time.perf_counter() - arrived)
+        if isinstance(first, str):  # a first piece of text (an answer of no tokens has none)
+            metrics.first_token.labels(endpoint).observe(time.perf_counter() - arrived)
 
         if not call.stream:
+            item = first
             try:
-                item, seen = first, False
-                while True:
-                    if isinstance(item, str) and not seen:
-                        first_piece(item)
-                        seen = True
-                    if not isinstance(item, str):
-                        break
+                while isinstance(item, str):
                     if cancelled():
                         raise shutting_down
                     if await request.is_disconnected():
@@ -221,17 +215,11 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             return JSONResponse(protocol.response(call, call_id, created, item))
 
         async def events():
-            item, seen, result = first, False, None
+            item = first
             if call.kind == "chat":
                 yield _sse(protocol.chunk(call, call_id, created, role=True))
             try:
-                while True:
-                    if not isinstance(item, str):
-                        result = item
-                        break
-                    if not seen:
-                        first_piece(item)
-                        seen = True
+                while isinstance(item, str):
                     yield _sse(protocol.chunk(call, call_id, created, item))
                     if cancelled():
                         yield _sse(shutting_down.body())
@@ -244,11 +232,11 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             finally:
                 await pieces.aclose()
                 await release()
-            metrics.finished(endpoint, result, time.perf_counter() - arrived)
+            metrics.finished(endpoint, item, time.perf_counter() - arrived)
             metrics.requests.labels(endpoint, "200").inc()
-            yield _sse(protocol.chunk(call, call_id, created, result=result))
+            yield _sse(protocol.chunk(call, call_id, created, result=item))
             if call.include_usage:
-                yield _sse(protocol.usage_chunk(call, call_id, created, result))
+                yield _sse(protocol.usage_chunk(call, call_id, created, item))
             yield _sse("[DONE]")
 
         async def cleanup():
