@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
 
-from . import attention, compare as comparing, loading
+from . import attention, cited, compare as comparing, loading, structured
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
 from .generation import Runner, SamplingOptions
 from .prompts import DEFAULT_INSTRUCTION, DocumentLike
@@ -26,7 +26,8 @@ from .text import Message, Request, check_question, encode_request
 
 Comparison = comparing.Comparison
 log = logging.getLogger(__name__)
-OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "snapkv", "ignore_eos")
+OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "snapkv", "ignore_eos", "response_format",
+           "cite")
 
 
 class ContextLengthError(ValueError):
@@ -70,7 +71,7 @@ class SnapKVLLM:
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, attn_implementation: str | None = None,
-                 snapkv: Any = SnapKVConfig(), max_new_tokens: int = 128, instruction: str = DEFAULT_INSTRUCTION,
+                 snapkv: Any = SnapKVConfig(), max_new_tokens: int | None = None, instruction: str = DEFAULT_INSTRUCTION,
                  trust_remote_code: bool = False, prefill_chunk: int | None = 4096, compile: bool | str = False,
                  max_batch: int = 16, max_kv_bytes: int | None = None):
         if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
@@ -85,7 +86,8 @@ class SnapKVLLM:
         if compile and attn_implementation == "flash_attention_2":
             raise ValueError("compile: the fixed-size decode cache needs a 4-D attention mask, which "
                              "flash_attention_2 does not take; use attn_implementation='sdpa' with compile")
-        self.max_new_tokens = SamplingOptions(max_new_tokens=max_new_tokens).max_new_tokens
+        self.max_new_tokens = SamplingOptions(max_new_tokens=128 if max_new_tokens is None else max_new_tokens).max_new_tokens
+        self._structured_max_new_tokens = cited.STRUCTURED_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
         self.instruction = instruction
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
@@ -128,10 +130,16 @@ class SnapKVLLM:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def request(self, question_or_messages: str | Sequence[Message],
-                documents: Sequence[DocumentLike] | None = None) -> Request:
+                documents: Sequence[DocumentLike] | None = None, cite: str = "text") -> Request:
         """The prompt ``generate`` (a question) or ``chat`` (messages) would run: ``.text`` (chat
-        template applied), ``.input_ids`` and the numbered ``.documents``. Nothing runs."""
-        return encode_request(self.tokenizer, self._messages(question_or_messages), documents, self.instruction)
+        template applied), ``.input_ids`` and the numbered ``.documents``. Nothing runs. With
+        ``cite="json"`` the instruction asks for the cited-answer JSON (the question stays last)."""
+        if cite not in cited.CITE_MODES:
+            cited.check_cite(cite, ())
+        instruction = cited.CITE_INSTRUCTION if cite == "json" else self.instruction
+        request = encode_request(self.tokenizer, self._messages(question_or_messages), documents, instruction)
+        request.cite = cited.check_cite(cite, request.documents)
+        return request
 
     def prompt_tokens(self, question: str, documents: Sequence[DocumentLike] | None = None) -> int:
         """The length of the prompt ``generate(question, documents)`` would run, chat template included."""
@@ -140,7 +148,10 @@ class SnapKVLLM:
     def generate(self, question: str, documents: Sequence[DocumentLike] | None = None, **options) -> GenerationResult:
         """Answer ``question`` over ``documents`` (strings, dicts with ``text``, or :class:`Document`).
         Options: ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``stop`` (strings),
-        ``seed``, ``snapkv`` (a config, or ``False`` for the full cache)."""
+        ``seed``, ``snapkv`` (a config, or ``False`` for the full cache), ``response_format`` (a JSON
+        schema, a pydantic model class or ``{"type": "json_object"}``: the answer is that JSON, parsed
+        in ``result.parsed``) and ``cite`` (``"json"``: the answer and its citations come as
+        constrained JSON, see :mod:`snapkv_rag.cited`)."""
         return self.chat(self._messages(check_question(question)), documents, **options)
 
     def stream(self, question: str, documents: Sequence[DocumentLike] | None = None, **options) -> Iterator[str]:
@@ -161,7 +172,7 @@ class SnapKVLLM:
                       documents: Sequence[DocumentLike] | None = None, **options) -> Iterator[str | GenerationResult]:
         """Like :meth:`stream`, then the full :class:`GenerationResult` as the last item. Input is
         checked before this returns; closing the iterator early cancels the request."""
-        request = self.request(question_or_messages, documents)
+        request = self.request(question_or_messages, documents, options.get("cite", "text"))
         sampling, stop, config = self._options(options, request)
         return self._results(request, self._submit(request, sampling, stop, config), config)
 
@@ -185,7 +196,7 @@ class SnapKVLLM:
                              documents: Sequence[DocumentLike] | None = None,
                              **options) -> AsyncIterator[str | GenerationResult]:
         """:meth:`stream_result` for asyncio: pieces, then the result; closing it cancels the request."""
-        request = self.request(question_or_messages, documents)
+        request = self.request(question_or_messages, documents, options.get("cite", "text"))
         sampling, stop, config = self._options(options, request)
         ticket = self._submit(request, sampling, stop, config, asyncio.get_running_loop())
         try:
@@ -207,7 +218,7 @@ class SnapKVLLM:
             raise ValueError(f"documents: got {len(documents)} lists for {len(questions)} questions")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: must be a positive integer, got {batch_size!r}")
-        requests = [self.request(check_question(q), d) for q, d in zip(questions, documents)]
+        requests = [self.request(check_question(q), d, options.get("cite", "text")) for q, d in zip(questions, documents)]
         prepared = [(r, *self._options(options, r)) for r in requests]
         runs = [self._results(r, self._submit(r, s, stop, c), c) for r, s, stop, c in prepared[:batch_size]]
         results: list[GenerationResult] = []
@@ -228,7 +239,7 @@ class SnapKVLLM:
         on one prompt with ONE shared prefill; each result equals ``generate`` with that method."""
         if not methods:
             raise ValueError("methods: give at least one method")
-        request = self.request(check_question(question), documents)
+        request = self.request(check_question(question), documents, options.get("cite", "text"))
         configs = {name: check_config(config) for name, config in methods.items()}
         configs = {name: config and config.for_prompt(len(request.input_ids)) for name, config in configs.items()}
         sampling, stop, _ = self._options({k: v for k, v in options.items() if k != "snapkv"}, request)
@@ -248,10 +259,14 @@ class SnapKVLLM:
         unknown = set(options) - set(OPTIONS)
         if unknown:
             raise TypeError(f"unexpected option(s): {', '.join(sorted(unknown))}")
+        constrained = cited.constrain(requests, options.get("response_format"), options.get("cite", "text"),
+                                      self._compile_format)
+        default_new = self._structured_max_new_tokens if constrained else self.max_new_tokens
         sampling = SamplingOptions(
-            max_new_tokens=self.max_new_tokens if options.get("max_new_tokens") is None else options["max_new_tokens"],
+            max_new_tokens=default_new if options.get("max_new_tokens") is None else options["max_new_tokens"],
             temperature=options.get("temperature") or 0.0,
-            top_p=1.0 if options.get("top_p") is None else options["top_p"], seed=options.get("seed"))
+            top_p=1.0 if options.get("top_p") is None else options["top_p"], seed=options.get("seed"),
+            ignore_eos=options.get("ignore_eos", False))
         stop = options.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         if not all(isinstance(s, str) for s in stop):
@@ -284,7 +299,8 @@ class SnapKVLLM:
     def _result(self, request: Request, outcome: Outcome) -> GenerationResult:
         timings = Timings(prefill_s=outcome.prefill_s, decode_ms_per_token=0.0, batch_size=outcome.batch_size,
                           queued_s=outcome.queued_s)
-        result = finish_result(outcome.row, request.documents, len(request.input_ids), outcome.compression, timings)
+        result = cited.finish(finish_result(outcome.row, request.documents, len(request.input_ids), outcome.compression,
+                                            timings), request.constraint, request.cite)
         if log.isEnabledFor(logging.INFO):
             c, t = result.compression, result.timings
             log.info("%s: kept %d of %d prompt tokens per layer (%s), prefill %.2f s, %d tokens at %.1f ms/token%s (%s)",
@@ -301,6 +317,12 @@ class SnapKVLLM:
             f"out of memory on {self.device} with a prompt of {longest} tokens (batch {batch}), budget "
             f"{budget if budget is not None else 'full cache'}: use a smaller budget, a shorter prompt or a smaller "
             "batch")
+
+    def _compile_format(self, response_format: Any) -> structured.CompiledFormat:
+        """``response_format`` compiled for this model (cached per tokenizer and schema)."""
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        width = head.weight.shape[0] if head is not None else self.model.config.vocab_size
+        return structured.compile_format(self.tokenizer, response_format, int(width), self.runner.eos_ids)
 
     def _eos_ids(self) -> set[int]:
         ids = set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from .prompts import Document, parse_citations
 
@@ -55,6 +56,12 @@ class GenerationResult:
     timings: Timings
     finish_reason: str
     documents: list[Document] = field(default_factory=list)
+    parsed: Any = None
+    """With ``response_format`` or ``cite="json"``: the parsed JSON answer; ``None`` for a free-text
+    request, and for a structured one cut short (``finish_reason`` ``"length"``)."""
+    raw_text: str = ""
+    """The decoded text as the model wrote it (in the cited-answer mode: the JSON, while ``text`` is
+    the answer)."""
 
     @property
     def cited_documents(self) -> list[Document]:
@@ -95,7 +102,8 @@ def finish_result(row_text, documents: list[Document], prompt_tokens: int, compr
     return GenerationResult(
         text=row_text.text, citations=parse_citations(row_text.text, len(documents)),
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(row_text.token_ids)),
-        compression=compression, timings=timings, finish_reason=row_text.finish_reason, documents=documents)
+        compression=compression, timings=timings, finish_reason=row_text.finish_reason, documents=documents,
+        raw_text=row_text.text)
 
 
 def build_result(row_text, documents: list[Document], prompt_tokens: int, cache, row: int, prefill_s: float,

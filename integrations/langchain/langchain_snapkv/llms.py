@@ -12,7 +12,6 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from snapkv_rag import GenerationResult
 
-from snapkv_rag.adapters import iterate_in_thread
 
 from ._engine import EngineFields, result_metadata
 
@@ -62,6 +61,10 @@ class SnapKVLLM(EngineFields, BaseLLM):
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
         options, documents = self._call_options(stop, kwargs)
+        if not self.streaming and len(prompts) > 1:  # all at once: the engine decodes them together
+            results = self.engine.generate_batch(prompts, [documents] * len(prompts), batch_size=len(prompts),
+                                                 **options)
+            return self._llm_result([self._generation(r) for r in results])
         return self._llm_result([self._one(p, options, documents, run_manager) for p in prompts])
 
     async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
@@ -75,7 +78,7 @@ class SnapKVLLM(EngineFields, BaseLLM):
                     text, info = text + chunk.text, chunk.generation_info or info
                 generations.append(Generation(text=text, generation_info=info))
             return self._llm_result(generations)
-        results = [await asyncio.to_thread(self.engine.generate, p, documents, **options) for p in prompts]
+        results = await asyncio.gather(*(self.engine.agenerate(p, documents, **options) for p in prompts))
         return self._llm_result([self._generation(r) for r in results])
 
     def _chunk(self, item: str | GenerationResult) -> GenerationChunk:
@@ -101,7 +104,7 @@ class SnapKVLLM(EngineFields, BaseLLM):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[GenerationChunk]:
         options, documents = self._call_options(stop, kwargs)
-        async for item in iterate_in_thread(lambda: self.engine.stream_result(prompt, documents, **options)):
+        async for item in self.engine.astream_result(prompt, documents, **options):
             chunk = self._chunk(item)
             if run_manager and isinstance(item, str):
                 await run_manager.on_llm_new_token(item, chunk=chunk)

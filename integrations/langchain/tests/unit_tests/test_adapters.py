@@ -138,3 +138,12 @@ def test_text_completion_llm(tiny_engine):
     assert result.generations[0][0].text == text
     assert info["compression"]["prompt_tokens"] == result.llm_output["token_usage"]["prompt_tokens"]
     assert asyncio.run(llm.ainvoke("Capital of Italy?", documents=DOCS)) == text
+
+
+def test_several_prompts_decode_together_and_equal_single_calls(tiny_engine):
+    llm = SnapKVLLM(engine=tiny_engine, max_new_tokens=8)
+    prompts = ["Capital of Italy?", "Which river is longest?", "Name a castle."]
+    single = [llm.invoke(p, documents=DOCS) for p in prompts]
+    for result in (llm.generate(prompts, documents=DOCS), asyncio.run(llm.agenerate(prompts, documents=DOCS))):
+        assert [g[0].text for g in result.generations] == single
+        assert max(g[0].generation_info["timings"]["batch_size"] for g in result.generations) > 1
