@@ -107,6 +107,8 @@ def test_streaming_concatenates_to_the_answer_and_ends_with_usage(server, tiny_e
     ({"model": "tiny", "messages": [{"role": "assistant", "content": "hi"}], "documents": ["d"]}, 400, "messages",
      "last message"),
     ({"model": "tiny", "messages": ASK, "max_tokens": 8190}, 400, "messages", "context window is 8192"),
+    ({"model": "tiny", "messages": ASK, "response_format": {"type": "json_schema"}}, 400, "response_format",
+     "needs 'json_schema'"),
 ])
 def test_bad_input_gets_openai_error_bodies_never_a_500(server, body, status, param, words):
     url, _ = server
@@ -204,8 +206,6 @@ def test_metrics_count_tokens_and_latency(server):
     assert values["snapkv_rag_queue_depth"] == 0 and values["snapkv_rag_running_requests"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="the engine accepts ignore_eos but SnapKVLLM._options does not pass it to "
-                   "SamplingOptions (main 92b1e81); the server passes it through")
 def test_ignore_eos_decodes_exactly_max_tokens(tokenizer):
     import torch
 

@@ -46,6 +46,21 @@ def test_openai_sync_client_with_documents_and_extension_fields(server, tiny_eng
         client.chat.completions.create(model="tiny", messages=ask("hi"), n=2)
 
 
+def test_openai_response_format_json_schema_is_passed_to_the_engine(server):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["color", "n"], "additionalProperties": False}
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    reply = client.chat.completions.create(model="tiny", messages=ask("Pick a colour."), max_tokens=40,
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "pick", "schema": schema}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)  # random weights, valid JSON
+
+
 def test_openai_streaming_with_usage(server, tiny_engine):
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
     stream = client.chat.completions.create(model="tiny", messages=ask(QUESTIONS[2]), max_tokens=7, stream=True,

@@ -169,8 +169,9 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             return pieces, await anext(pieces)
         except ContextLengthError as error:
             raise APIError(400, str(error), code="context_length_exceeded") from None
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error)) from None
+        except (ValueError, TypeError) as error:  # the engine's messages start with the option's name
+            name = str(error).split(":")[0]
+            raise APIError(400, str(error), param=name if name.isidentifier() else None) from None
         except GenerationOutOfMemoryError as error:
             raise APIError(503, str(error), type="server_error", code="out_of_memory") from None
 
