@@ -150,9 +150,6 @@ class AttentionLayer(DynamicLayer):
     def begin_step(self, positions: torch.Tensor, steps: int = 1) -> None:
         """Before decoding tokens at ``positions`` ``[B]``: record them and work out which slots the
         step may attend to (``valid``; ``None``: all of them)."""
-        if self.dense and self.slot is None:  # nothing to mask, now or later: no bookkeeping per step
-            self.valid = None
-            return
         start, end = self.length, self.length + steps
         if end > self.positions.shape[-1]:
             if self.slot is not None:
@@ -160,6 +157,9 @@ class AttentionLayer(DynamicLayer):
             self._grow(end)
         self.positions[:, :, start:end] = (positions[:, None] + torch.arange(steps, device=positions.device)
                                            )[:, None, :]
+        if self.dense and self.slot is None:  # nothing to mask, now or later
+            self.valid = None
+            return
         if self.slot is not None:  # update() writes at the slot tensor; the buffer is seen whole
             self.length = end
         held = self.positions[:, :, : (self.positions.shape[-1] if self.slot is not None else end)]

@@ -1,11 +1,11 @@
-"""``SnapKVLLM``: the front of the engine. It checks input, renders the prompt, calls the core
-(:func:`~snapkv_rag.generation.prefill` then :func:`~snapkv_rag.text.decode_text`) and builds
-results. ``snapkv=False`` runs the very same path with the full cache, so comparisons measure
-compression and nothing else.
+"""``SnapKVLLM``: the front of the engine. It checks input, renders the prompt, hands the request
+to the engine's scheduler (:mod:`snapkv_rag.scheduler`: prefill -> select -> decode, many requests
+decoding together) and builds results. ``snapkv=False`` runs the very same path with the full
+cache, so comparisons measure compression and nothing else.
 
-Forward passes are serialised by the runner's lock: one model on one device runs one forward at a
-time. Each request owns its cache, so concurrent callers interleave token by token and each gets
-the answer it would get alone; an abandoned stream holds no lock.
+Callers on any thread or event loop share one worker that owns the model: each request is
+prefilled alone and joins the running decode batch; it gets the tokens it would get alone. An
+abandoned stream is cancelled and frees its batch slot within one decode step.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import torch
 
 from . import attention, compare as comparing, loading
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
-from .generation import Batch, Runner, SamplingOptions, prefill
+from .generation import Runner, SamplingOptions
 from .prompts import DEFAULT_INSTRUCTION, DocumentLike
-from .results import GenerationResult, build_result
-from .text import Message, Request, check_question, decode_text, encode_request
-from .threads import iterate_in_thread
+from .results import GenerationResult, Timings, finish_result
+from .scheduler import Outcome, Scheduler, SchedulerStats, Ticket
+from .text import Message, Request, check_question, encode_request
 
 Comparison = comparing.Comparison
 log = logging.getLogger(__name__)
-OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "snapkv")
+OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "snapkv", "ignore_eos")
 
 
 class ContextLengthError(ValueError):
@@ -63,13 +63,16 @@ class SnapKVLLM:
     wrapper (identical for other callers); :meth:`close` switches it back. ``snapkv`` is the
     default compression (``False``/``None``: full cache). ``prefill_chunk`` runs each MLP over a
     long prompt in slices of that many tokens; ``compile=True`` (or a ``torch.compile`` mode name)
-    decodes from fixed-size buffers through a compiled step.
+    decodes from fixed-size buffers through a compiled step. ``max_batch`` requests decode together
+    at most (1: one at a time); ``max_kv_bytes`` bounds their caches (approximately); more requests
+    wait in arrival order.
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, attn_implementation: str | None = None,
                  snapkv: Any = SnapKVConfig(), max_new_tokens: int = 128, instruction: str = DEFAULT_INSTRUCTION,
-                 trust_remote_code: bool = False, prefill_chunk: int | None = 4096, compile: bool | str = False):
+                 trust_remote_code: bool = False, prefill_chunk: int | None = 4096, compile: bool | str = False,
+                 max_batch: int = 16, max_kv_bytes: int | None = None):
         if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, "
                              f"got {attn_implementation!r}")
@@ -104,10 +107,17 @@ class SnapKVLLM:
         attention.attach(self.model, self.attn_implementation)
         self.device = self.runner.device
         self.compile, self.prefill_chunk = compile, prefill_chunk
+        self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch=max_batch, max_kv_bytes=max_kv_bytes)
 
     def close(self) -> None:
-        """Switch the model back to its own attention implementation."""
+        """Stop the scheduler's worker (requests still running end with an error) and switch the
+        model back to its own attention implementation. A later call starts a new worker."""
+        self.scheduler.close()
         attention.detach(self.model)
+
+    def stats(self) -> SchedulerStats:
+        """Requests waiting and decoding now, the batch limit, and totals so far."""
+        return self.scheduler.stats()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -141,41 +151,55 @@ class SnapKVLLM:
              **options) -> GenerationResult:
         """Continue a conversation. With ``documents``, the last (user) message becomes the
         question of a RAG prompt; the observation window is always the end of the last message."""
-        request = self.request(messages, documents)
-        return _last(self._run([request], *self._options(options, request)))[0]
+        return _last(self.stream_result(messages, documents, **options))
 
     def stream_chat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
                     **options) -> Iterator[str]:
-        request = self.request(messages, documents)
-        return (item for item in self._run([request], *self._options(options, request)) if isinstance(item, str))
+        return (item for item in self.stream_result(messages, documents, **options) if isinstance(item, str))
 
     def stream_result(self, question_or_messages: str | Sequence[Message],
                       documents: Sequence[DocumentLike] | None = None, **options) -> Iterator[str | GenerationResult]:
-        """Like :meth:`stream`, then the full :class:`GenerationResult` as the last item."""
+        """Like :meth:`stream`, then the full :class:`GenerationResult` as the last item. Input is
+        checked before this returns; closing the iterator early cancels the request."""
         request = self.request(question_or_messages, documents)
-        run = self._run([request], *self._options(options, request))
-        return (item if isinstance(item, str) else item[0] for item in run)
+        sampling, stop, config = self._options(options, request)
+        return self._results(request, self._submit(request, sampling, stop, config), config)
 
     async def agenerate(self, question: str, documents: Sequence[DocumentLike] | None = None,
                         **options) -> GenerationResult:
-        """:meth:`generate` in a worker thread: the event loop keeps running meanwhile."""
-        return await asyncio.to_thread(self.generate, question, documents, **options)
+        """:meth:`generate` without blocking the event loop (the engine's worker does the work)."""
+        return await _alast(self.astream_result(check_question(question), documents, **options))
 
     async def achat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
                     **options) -> GenerationResult:
-        return await asyncio.to_thread(self.chat, messages, documents, **options)
+        return await _alast(self.astream_result(messages, documents, **options))
 
     async def astream(self, question: str, documents: Sequence[DocumentLike] | None = None,
                       **options) -> AsyncIterator[str]:
-        """:meth:`stream` run in a worker thread; bad input raises before the first piece."""
-        self.request(check_question(question), documents)  # validate on the caller's side
-        async for piece in iterate_in_thread(lambda: self.stream(question, documents, **options)):
-            yield piece
+        """:meth:`stream` for asyncio; bad input raises before the first piece."""
+        async for item in self.astream_result(check_question(question), documents, **options):
+            if isinstance(item, str):
+                yield item
+
+    async def astream_result(self, question_or_messages: str | Sequence[Message],
+                             documents: Sequence[DocumentLike] | None = None,
+                             **options) -> AsyncIterator[str | GenerationResult]:
+        """:meth:`stream_result` for asyncio: pieces, then the result; closing it cancels the request."""
+        request = self.request(question_or_messages, documents)
+        sampling, stop, config = self._options(options, request)
+        ticket = self._submit(request, sampling, stop, config, asyncio.get_running_loop())
+        try:
+            async for item in ticket:
+                yield self._result(request, item) if isinstance(item, Outcome) else item
+        except torch.OutOfMemoryError as error:
+            raise self._out_of_memory(error, len(request.input_ids), config) from error
+        finally:
+            ticket.cancel()
 
     def generate_batch(self, questions: Sequence[str], documents: Sequence[Sequence[DocumentLike] | None] | None = None,
                        *, batch_size: int = 8, **options) -> list[GenerationResult]:
-        """Several requests, decoded together (left padding) in groups of ``batch_size``.
-        ``documents`` is one list per question (or ``None``)."""
+        """Several requests; at most ``batch_size`` of them in the engine at once (each prefilled at
+        its own length, decoded together). ``documents`` is one list per question (or ``None``)."""
         if isinstance(questions, str) or not isinstance(questions, Sequence):
             raise TypeError("questions: expected a list of strings")
         documents = [None] * len(questions) if documents is None else list(documents)
@@ -184,10 +208,18 @@ class SnapKVLLM:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: must be a positive integer, got {batch_size!r}")
         requests = [self.request(check_question(q), d) for q, d in zip(questions, documents)]
+        prepared = [(r, *self._options(options, r)) for r in requests]
+        runs = [self._results(r, self._submit(r, s, stop, c), c) for r, s, stop, c in prepared[:batch_size]]
         results: list[GenerationResult] = []
-        for start in range(0, len(requests), batch_size):
-            group = requests[start:start + batch_size]
-            results.extend(_last(self._run(group, *self._options(options, *group))))
+        try:
+            for i in range(len(prepared)):
+                results.append(_last(runs[i]))
+                if i + batch_size < len(prepared):
+                    r, s, stop, c = prepared[i + batch_size]
+                    runs.append(self._results(r, self._submit(r, s, stop, c), c))
+        finally:
+            for run in runs[len(results):]:
+                run.close()
         return results
 
     def compare(self, question: str, documents: Sequence[DocumentLike] | None = None, *,
@@ -203,7 +235,7 @@ class SnapKVLLM:
         try:
             return comparing.compare(self.runner, self.tokenizer, request, configs, sampling, stop, hit_rate)
         except torch.OutOfMemoryError as error:
-            raise self._out_of_memory(error, len(request.input_ids), 1, next(iter(configs.values()))) from error
+            raise self._out_of_memory(error, len(request.input_ids), next(iter(configs.values()))) from error
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -233,40 +265,35 @@ class SnapKVLLM:
                     f"together {total} tokens, over the model's context window of {self.context_window} tokens")
         return sampling, stop, config
 
-    def _run(self, requests: list[Request], sampling: SamplingOptions, stop: list[str], config):
-        """Prefill, then decode as text: yields pieces (str) as they come, then the list of results."""
-        longest = max(len(r.input_ids) for r in requests)
-        if config is not None:  # a share of the prompt: of the longest in a padded batch
-            config = config.for_prompt(longest)
-        try:
-            batch = Batch.of([r.input_ids for r in requests], self.runner.pad_id, self.device)
-            pre = prefill(self.runner, batch, {"": config}, room=sampling.max_new_tokens)
-            text = decode_text(self.runner, self.tokenizer, pre, "", sampling, stop)
-            try:
-                while True:
-                    try:
-                        _, piece = next(text)
-                    except StopIteration as done:
-                        rows = done.value
-                        break
-                    yield piece
-            finally:
-                text.close()
-        except torch.OutOfMemoryError as error:
-            pre = None  # free the partial cache before the error travels up with this frame
-            raise self._out_of_memory(error, longest, len(requests), config) from error
-        results = [build_result(rows[i], r.documents, len(r.input_ids), pre.caches[""], i, pre.prefill_s,
-                                pre.selection_ms(""), batch_size=len(requests)) for i, r in enumerate(requests)]
-        if log.isEnabledFor(logging.INFO):
-            for result in results:
-                c, t = result.compression, result.timings
-                log.info("%s: kept %d of %d prompt tokens per layer (%s), prefill %.2f s%s, %d tokens at %.1f ms/token"
-                         " (%s)", self.model_name, max(c.kept_tokens, default=0), c.prompt_tokens, c.method,
-                         t.prefill_s, f" (a batch of {t.batch_size})" if t.batch_size > 1 else "",
-                         result.usage.completion_tokens, t.decode_ms_per_token, result.finish_reason)
-        yield results
+    def _submit(self, request: Request, sampling: SamplingOptions, stop: list[str], config, loop=None) -> Ticket:
+        """Hand one checked request to the scheduler; a budget share is of this prompt's length."""
+        if config is not None:
+            config = config.for_prompt(len(request.input_ids))
+        return self.scheduler.submit(request, sampling, stop, config, loop)
 
-    def _out_of_memory(self, error: Exception, longest: int, batch: int, config) -> GenerationOutOfMemoryError:
+    def _results(self, request: Request, ticket: Ticket, config) -> Iterator[str | GenerationResult]:
+        """A ticket's pieces (str) as they come, then the :class:`GenerationResult`."""
+        try:
+            for item in ticket:
+                yield self._result(request, item) if isinstance(item, Outcome) else item
+        except torch.OutOfMemoryError as error:
+            raise self._out_of_memory(error, len(request.input_ids), config) from error
+        finally:
+            ticket.cancel()
+
+    def _result(self, request: Request, outcome: Outcome) -> GenerationResult:
+        timings = Timings(prefill_s=outcome.prefill_s, decode_ms_per_token=0.0, batch_size=outcome.batch_size,
+                          queued_s=outcome.queued_s)
+        result = finish_result(outcome.row, request.documents, len(request.input_ids), outcome.compression, timings)
+        if log.isEnabledFor(logging.INFO):
+            c, t = result.compression, result.timings
+            log.info("%s: kept %d of %d prompt tokens per layer (%s), prefill %.2f s, %d tokens at %.1f ms/token%s (%s)",
+                     self.model_name, max(c.kept_tokens, default=0), c.prompt_tokens, c.method, t.prefill_s,
+                     result.usage.completion_tokens, t.decode_ms_per_token,
+                     f" (in a batch of up to {t.batch_size})" if t.batch_size > 1 else "", result.finish_reason)
+        return result
+
+    def _out_of_memory(self, error: Exception, longest: int, config, batch: int = 1) -> GenerationOutOfMemoryError:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         budget = getattr(config, "max_capacity_prompt", None)
@@ -285,9 +312,16 @@ class SnapKVLLM:
         return ids or {0}
 
 
-def _last(run) -> list[GenerationResult]:
-    """Run a :meth:`SnapKVLLM._run` generator to its results."""
+def _last(run) -> GenerationResult:
+    """Run a stream of pieces to its final :class:`GenerationResult`."""
     for item in run:
-        if isinstance(item, list):
+        if isinstance(item, GenerationResult):
             return item
-    raise RuntimeError("generation ended without results")
+    raise RuntimeError("generation ended without a result")
+
+
+async def _alast(run) -> GenerationResult:
+    async for item in run:
+        if isinstance(item, GenerationResult):
+            return item
+    raise RuntimeError("generation ended without a result")

@@ -29,12 +29,14 @@ from .cache import KVCache, layer_specs
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """How tokens are picked: ``temperature`` 0 is greedy; ``top_p`` nucleus; ``seed`` for sampling."""
+    """How tokens are picked: ``temperature`` 0 is greedy; ``top_p`` nucleus; ``seed`` for sampling;
+    ``ignore_eos`` decodes exactly ``max_new_tokens`` tokens (for benchmarks, as vLLM's option)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -45,6 +47,14 @@ class SamplingOptions:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"seed: expected an int, got {type(self.seed).__name__}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos: expected True or False, got {self.ignore_eos!r}")
+
+    def generator(self) -> torch.Generator | None:
+        """The random generator of a sampled request (its ``seed``, or the clock), ``None`` if greedy."""
+        if self.temperature == 0:
+            return None
+        return torch.Generator().manual_seed(self.seed if self.seed is not None else time.time_ns() % 2**62)
 
 
 @dataclass(frozen=True)
@@ -201,10 +211,8 @@ def decode(runner: Runner, pre: Prefilled, name: str, options: SamplingOptions,
     cache = pre.caches[name]
     batch = len(pre.batch.lengths)
     stopped = set() if stopped is None else stopped
-    generator = None
-    if options.temperature > 0:
-        seed = options.seed if options.seed is not None else time.time_ns() % 2**62
-        generator = torch.Generator().manual_seed(seed)
+    generator = options.generator()
+    eos_ids = frozenset() if options.ignore_eos else runner.eos_ids
     compiled = bool(runner.compile) and cache.recorder is None and cache.make_static() is not None
     positions = torch.tensor(pre.batch.lengths, device=runner.device)
     logits, step_ms = pre.logits, []
@@ -215,7 +223,7 @@ def decode(runner: Runner, pre: Prefilled, name: str, options: SamplingOptions,
         for row in range(batch):
             if row in done:
                 continue
-            if row in stopped or picked[row] in runner.eos_ids:
+            if row in stopped or picked[row] in eos_ids:
                 done.add(row)
                 yield Finished(row, "stop", tuple(step_ms))
             else:

@@ -40,8 +40,10 @@ class Timings:
     decode_ms_per_token: float
     decode_step_ms: list[float] = field(default_factory=list)
     batch_size: int = 1
-    """How many requests shared the prefill (``generate_batch``): ``prefill_s`` is that batch's
-    prefill, the wait this request had before its first token; the decode figures are its own."""
+    """The most requests this one decoded together with (itself included), or how many shared its
+    prefill where several prompts are prefilled as one padded batch."""
+    queued_s: float = 0.0
+    """How long the request waited for a free batch slot before its prefill began."""
 
 
 @dataclass
@@ -76,19 +78,28 @@ class GenerationResult:
         return data
 
 
-def build_result(row_text, documents: list[Document], prompt_tokens: int, cache, row: int, prefill_s: float,
-                 selection_ms: float, batch_size: int = 1) -> GenerationResult:
-    """A :class:`GenerationResult` for row ``row``: its text (a :class:`snapkv_rag.text.RowText`) and
-    the figures of the cache it decoded from (kept tokens and bytes read from the cache's buffers)."""
+def compression_stats(cache, row: int, prompt_tokens: int, selection_ms: float) -> CompressionStats:
+    """What ``cache`` keeps of row ``row``'s prompt: kept tokens and bytes read from its buffers."""
     full_bytes, kept_bytes = cache.kv_bytes(row, prompt_tokens)
-    compression = CompressionStats(method="full" if cache.method is None else cache.method.method,
-                                   prompt_tokens=prompt_tokens, kept_tokens=cache.kept_tokens(row, prompt_tokens),
-                                   ratio=kept_bytes / full_bytes if full_bytes else 1.0,
-                                   kv_bytes_full=full_bytes, kv_bytes_kept=kept_bytes, selection_ms=selection_ms)
+    return CompressionStats(method="full" if cache.method is None else cache.method.method,
+                            prompt_tokens=prompt_tokens, kept_tokens=cache.kept_tokens(row, prompt_tokens),
+                            ratio=kept_bytes / full_bytes if full_bytes else 1.0,
+                            kv_bytes_full=full_bytes, kv_bytes_kept=kept_bytes, selection_ms=selection_ms)
+
+
+def finish_result(row_text, documents: list[Document], prompt_tokens: int, compression: CompressionStats,
+                  timings: Timings) -> GenerationResult:
+    """A :class:`GenerationResult` from a row's text (a :class:`snapkv_rag.text.RowText`) and its figures."""
+    timings.decode_ms_per_token = row_text.decode_ms_per_token
+    timings.decode_step_ms = list(row_text.decode_step_ms)
     return GenerationResult(
         text=row_text.text, citations=parse_citations(row_text.text, len(documents)),
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(row_text.token_ids)),
-        compression=compression,
-        timings=Timings(prefill_s=prefill_s, decode_ms_per_token=row_text.decode_ms_per_token,
-                        decode_step_ms=list(row_text.decode_step_ms), batch_size=batch_size),
-        finish_reason=row_text.finish_reason, documents=documents)
+        compression=compression, timings=timings, finish_reason=row_text.finish_reason, documents=documents)
+
+
+def build_result(row_text, documents: list[Document], prompt_tokens: int, cache, row: int, prefill_s: float,
+                 selection_ms: float, batch_size: int = 1) -> GenerationResult:
+    """A :class:`GenerationResult` for row ``row`` of ``cache`` (the cache it decoded from)."""
+    return finish_result(row_text, documents, prompt_tokens, compression_stats(cache, row, prompt_tokens, selection_ms),
+                         Timings(prefill_s=prefill_s, decode_ms_per_token=0.0, batch_size=batch_size))
