@@ -206,6 +206,7 @@ def run_inprocess(args, requests, model_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    lc.exit_on_sigterm()
     os.environ.update(lc.QUIET_ENV)
     deadline = time.monotonic() + args.time_limit_s
     args.out.mkdir(parents=True, exist_ok=True)

@@ -164,6 +164,7 @@ def summarise(soak: Soak, rss: dict, health: int, final_ok: bool, wall: float) -
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    lc.exit_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="soak-") as scratch_name:
         scratch = Path(scratch_name)
