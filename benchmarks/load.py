@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.ideal_max_batch = 3
         args.levels, args.new_tokens, args.long_tokens, args.long_levels = [1, 3], 6, 10, [3]
         args.min_requests, args.ratio_clients, args.padded_batches = 3, 3, [3]
+    if args.long_tokens == 0:
+        args.long_levels = []
     for name in ("levels", "long_levels", "padded_batches"):
         if any(v < 1 for v in getattr(args, name)):
             parser.error(f"--{name.replace('_', '-')}: every value must be >= 1, got {getattr(args, name)}")
