@@ -128,3 +128,58 @@ def test_cpu_decode_quick(tmp_path: Path) -> None:
     assert snap["kv_bytes_kept"] < full["kv_bytes_kept"] == full["kv_bytes_full"]
     assert 0 < snap["selection_share_of_prefill"] < 1
     assert full["peak_rss_delta_mib"] is not None and snap["peak_rss_delta_mib"] is not None
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# The load benchmark and the soak start real servers (ours and `transformers serve`) on loopback
+# ports; --quick runs them on a tiny random model with tiny counts, and each run must end by itself
+# (the timeout) with every server it started gone.
+@pytest.mark.skipif(not _embedded_model_available(), reason="the tiny model borrows the embedded model's tokenizer")
+def test_load_benchmark_quick_runs_every_system_and_stops(tmp_path: Path) -> None:
+    _run("load.py", "--quick", "--out", str(tmp_path), timeout=600)
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert report["ended"] == "finished" and report["length_forced"]
+    assert set(report["systems"]) == {"batched", "one_at_a_time", "transformers_serve"}
+    for name, system in report["systems"].items():
+        assert "error" not in system, (name, system.get("error"))
+        assert _gone(system["pid"]), f"{name}'s server is still running"
+        assert list(system["levels"]) == ["6x1", "6x3", "10x3"]
+        for key, level in system["levels"].items():
+            assert level["failed"] == 0 and level["wrong_length"] == 0, (name, key, level["errors"])
+            assert level["output_tokens"] == level["requests"] * int(key.split("x")[0])
+            assert level["tokens_per_s"] > 0 and level["peak_rss_mib"] > 0
+            assert 0 < level["ttft_p50_s"] <= level["ttft_p95_s"] <= level["latency_p95_s"]
+    inprocess = report["inprocess"]
+    assert len(inprocess["prefill_alone_s"]) == 3 and all(s > 0 for s in inprocess["prefill_alone_s"])
+    assert all(step["batch_seen"] == step["batch"] and step["step_s"] > 0 for step in inprocess["decode_steps"].values())
+    for key in ("6x1", "6x3", "10x3"):
+        ideal = inprocess["ideal"][key]
+        assert ideal["wall_s"] == pytest.approx(ideal["prefill_s"] + ideal["decode_s"], abs=0.01)
+    assert {p["batch"] for p in inprocess["padded_generate"].values()} == {3}
+    ratios = {r["name"]: r for r in report["ratios"]}
+    assert ratios["same prompt tokens (usage) on ours and transformers serve"]["met"] is True
+    assert ratios["failed requests on our server (all levels)"]["value"] == 0
+    assert all(r["value"] is not None for r in report["ratios"])
+    table = (tmp_path / "load.md").read_text()
+    assert "| batched | 6 | 3 |" in table and "| transformers_serve | 10 | 3 |" in table and "| comparison |" in table
+
+
+@pytest.mark.skipif(not _embedded_model_available(), reason="the tiny model borrows the embedded model's tokenizer")
+def test_soak_quick_mixed_load(tmp_path: Path) -> None:
+    _run("soak.py", "--quick", "--out", str(tmp_path), timeout=480)
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert report["passed"], {k: v for k, v in report.items() if k != "server_log_tail"}
+    assert report["answers_checked"] > 0 and report["wrong_answers"] == 0
+    assert report["bad_json_400"] > 0 and report["too_long_400"] > 0 and report["queue_full_429"] > 0
+    assert report["statuses"]["cut_stream"].get("200", 0) > 0
+    assert not any(report["five_xx"].values())
+    assert report["health_at_end"] == 200 and report["answer_after_soak_correct"]
+    assert _gone(report["pid"])
