@@ -21,7 +21,8 @@ from .config import COMPRESSION_CONFIGS, SnapKVConfig
 from .generation import Batch, Runner, SamplingOptions, prefill
 from .prompts import DEFAULT_INSTRUCTION, DocumentLike
 from .results import GenerationResult, build_result
-from .text import Message, Request, check_question, decode_text, encode_request
+from .text import Message, Request, check_question, decode_text, encode_request, normalise_messages
+from .tools import ToolPlan
 from .threads import iterate_in_thread
 
 Comparison = comparing.Comparison
@@ -118,10 +119,11 @@ class SnapKVLLM:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def request(self, question_or_messages: str | Sequence[Message],
-                documents: Sequence[DocumentLike] | None = None) -> Request:
-        """The prompt ``generate`` (a question) or ``chat`` (messages) would run: ``.text`` (chat
-        template applied), ``.input_ids`` and the numbered ``.documents``. Nothing runs."""
-        return encode_request(self.tokenizer, self._messages(question_or_messages), documents, self.instruction)
+                documents: Sequence[DocumentLike] | None = None, tools: Sequence[Mapping] | None = None) -> Request:
+        """The prompt ``generate`` (a question) or ``chat`` (messages, with ``tools``) would run:
+        ``.text`` (chat template applied), ``.input_ids`` and the numbered ``.documents``. Nothing runs."""
+        return encode_request(self.tokenizer, self._messages(question_or_messages), documents, self.instruction,
+                              tools)
 
     def prompt_tokens(self, question: str, documents: Sequence[DocumentLike] | None = None) -> int:
         """The length of the prompt ``generate(question, documents)`` would run, chat template included."""
@@ -140,21 +142,24 @@ class SnapKVLLM:
     def chat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
              **options) -> GenerationResult:
         """Continue a conversation. With ``documents``, the last (user) message becomes the
-        question of a RAG prompt; the observation window is always the end of the last message."""
-        request = self.request(messages, documents)
-        return _last(self._run([request], *self._options(options, request)))[0]
+        question of a RAG prompt; the observation window is always the end of the last message.
+        ``tools`` (OpenAI-style function dicts) and ``tool_choice``: see :mod:`snapkv_rag.tools`;
+        the call comes back in ``result.tool_calls``. Messages may hold an assistant message with
+        ``tool_calls`` and ``tool`` messages (``content``, ``tool_call_id``) with the results."""
+        request, options, plan = self._tool_request(messages, documents, options)
+        return _with_calls(plan, _last(self._run([request], *self._options(options, request)))[0])
 
     def stream_chat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
                     **options) -> Iterator[str]:
-        request = self.request(messages, documents)
+        request, options, _ = self._tool_request(messages, documents, options)
         return (item for item in self._run([request], *self._options(options, request)) if isinstance(item, str))
 
     def stream_result(self, question_or_messages: str | Sequence[Message],
                       documents: Sequence[DocumentLike] | None = None, **options) -> Iterator[str | GenerationResult]:
         """Like :meth:`stream`, then the full :class:`GenerationResult` as the last item."""
-        request = self.request(question_or_messages, documents)
+        request, options, plan = self._tool_request(question_or_messages, documents, options)
         run = self._run([request], *self._options(options, request))
-        return (item if isinstance(item, str) else item[0] for item in run)
+        return (item if isinstance(item, str) else _with_calls(plan, item[0]) for item in run)
 
     async def agenerate(self, question: str, documents: Sequence[DocumentLike] | None = None,
                         **options) -> GenerationResult:
@@ -211,6 +216,19 @@ class SnapKVLLM:
         if isinstance(question_or_messages, str):
             return [{"role": "user", "content": check_question(question_or_messages)}]
         return question_or_messages
+
+    def _tool_request(self, messages, documents, options: dict) -> tuple[Request, dict, ToolPlan | None]:
+        """The request with its tools rendered, the options with the call's ``response_format``."""
+        options = dict(options)
+        messages = self._messages(messages)
+        plan = ToolPlan.of(options.pop("tools", None), options.pop("tool_choice", None),
+                           normalise_messages(messages)[-1]["role"])
+        if plan is not None and plan.response_format is not None:
+            if options.get("response_format") is not None:
+                raise ValueError("response_format: cannot be combined with a tool call (tool_choice "
+                                 f"{plan.choice!r}); use tool_choice='none' for a structured text answer")
+            options["response_format"] = plan.response_format
+        return self.request(messages, documents, plan and plan.tools), options, plan
 
     def _options(self, options: dict, *requests: Request) -> tuple[SamplingOptions, list[str], Any]:
         unknown = set(options) - set(OPTIONS)
@@ -283,6 +301,15 @@ class SnapKVLLM:
             elif source is not None:
                 ids.update(int(i) for i in source)
         return ids or {0}
+
+
+def _with_calls(plan: ToolPlan | None, result: GenerationResult) -> GenerationResult:
+    """``result`` with the call it decoded (then ``finish_reason`` is ``"tool_calls"``, as OpenAI says)."""
+    if plan is not None:
+        result.tool_calls = plan.calls(result.text)
+        if result.tool_calls:
+            result.finish_reason = "tool_calls"
+    return result
 
 
 def _last(run) -> list[GenerationResult]:

@@ -53,6 +53,8 @@ class GenerationResult:
     timings: Timings
     finish_reason: str
     documents: list[Document] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)
+    """With ``tools``: the call the model made, ``[{"id", "name", "arguments": dict}]``."""
 
     @property
     def cited_documents(self) -> list[Document]:
