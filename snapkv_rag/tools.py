@@ -40,7 +40,7 @@ def check_tools(tools: Any) -> list[dict]:
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise TypeError(f"tools: expected a list of {{'type': 'function', 'function': {{...}}}} dicts, "
                         f"got {type(tools).__name__}")
-    checked, names = [], set()
+    checked = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(function, Mapping):
@@ -49,11 +49,8 @@ def check_tools(tools: Any) -> list[dict]:
         name, parameters = function.get("name"), function.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(name, str) or not name:
             raise ValueError(f"tools[{i}].function.name: expected a non-empty str, got {name!r}")
-        if name in names:
-            raise ValueError(f"tools[{i}].function.name: {name!r} is given twice")
         if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
             raise ValueError(f"tools[{i}].function.parameters: expected a JSON schema of an object, got {parameters!r}")
-        names.add(name)
         checked.append({"type": "function", "function": {"name": name, "description": function.get("description")
                                                          or "", "parameters": dict(parameters)}})
     return checked

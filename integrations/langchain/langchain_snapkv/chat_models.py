@@ -93,14 +93,16 @@ class ChatSnapKV(EngineFields, BaseChatModel):
         return self.bind(tools=formatted, **({"tool_choice": choice} if choice else {}), **kwargs)
 
     def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
-                               include_raw: bool = False, **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
+                               include_raw: bool = False, strict: bool | None = None,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
         """Answers parsed into ``schema`` (a pydantic class, a TypedDict or a JSON schema dict).
 
         ``method``: ``"json_schema"`` (default) decodes the answer under the schema;
         ``"function_calling"`` makes it a forced call of a tool with that schema; ``"json_mode"``
         decodes any JSON object when ``schema`` is None, and under the schema when one is given
         (a small model does not follow a schema from the prompt alone). ``include_raw=True``
-        returns ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``."""
+        returns ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``. ``strict`` is accepted
+        for compatibility: decoding always follows the schema."""
         return structured.structured_runnable(self, schema, method, include_raw, kwargs)
 
     # ------------------------------------------------------------------ generation
