@@ -87,6 +87,10 @@ def parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per answer (default: 32)")
     p.add_argument("--stop", default="\\n", help="stop string, backslash escapes allowed; '' for none (default: "
                    "a newline: answers are one line)")
+    p.add_argument("--citations", choices=("text", "json"), default="text", help="text: the model cites [n] in "
+                   "free text (parsed from it); json: the engine's cited-answer mode, decoding constrained to "
+                   "{\"answer\": str, \"citations\": [1..N]} with its own instruction, no stop string; answer "
+                   "metrics on the answer field (default: text)")
     p.add_argument("--instruction", default=None, help="the RAG instruction placed before the question (default: "
                    "snapkv_rag.prompts.DEFAULT_INSTRUCTION)")
     p.add_argument("--out", type=Path, default=None, help="output folder for rows.jsonl, summary.md/.csv, plots/ "
@@ -212,6 +216,11 @@ def main(argv: list[str] | None = None, engine=None, make_engine=None, prog: str
               + (f", {len(data.skipped)} skipped as bad" if data.skipped else "")
               + (f", {data.without_gold} without gold (no citation metrics)" if data.without_gold else ""))
     instruction = args.instruction if args.instruction is not None else DEFAULT_INSTRUCTION
+    if args.citations == "json":
+        from snapkv_rag.cited import CITE_INSTRUCTION
+        if args.instruction is not None:
+            raise SystemExit("--instruction: not with --citations json, whose instruction asks for the JSON")
+        instruction = CITE_INSTRUCTION
     llm = _engine(args, engine, make_engine, instruction)
     try:
         if args.measure_sharing:
@@ -257,6 +266,9 @@ def _run(args, argv, llm, examples, specs, instruction, own) -> int:
     settings = {"model": args.model or "embedded:SmolLM2-135M-Instruct", "instruction": instruction,
                 "max_new_tokens": args.max_new_tokens, "stop": args.stop, "seed": args.seed, "dtype": args.dtype,
                 "device": str(llm.device), "methods": [s.name for s in specs]}
+    stop = [args.stop] if args.stop and args.citations == "text" else []
+    if args.citations == "json":  # the grammar ends the answer: no stop string
+        settings.update(citations="json", stop="")
     if own:
         settings["data"] = [{"dataset": d.name, "file": str(d.path),
                              "records": len({e.question_id for e in d.examples}),
@@ -264,7 +276,7 @@ def _run(args, argv, llm, examples, specs, instruction, own) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "command.txt").write_text("python -m evals " + shlex.join(argv) + "\n")
     start = time.perf_counter()
-    options = dict(settings=settings, max_new_tokens=args.max_new_tokens, stop=[args.stop] if args.stop else [],
+    options = dict(settings=settings, max_new_tokens=args.max_new_tokens, stop=stop,
                    resume=args.resume, progress=args.progress)
     try:
         if args.ray is not None:

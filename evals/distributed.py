@@ -44,9 +44,10 @@ class Worker:
     def prompt_tokens(self, items: Sequence[tuple[str, list]]) -> list[int]:
         return [self.llm.prompt_tokens(question, documents) for question, documents in items]
 
-    def compare(self, question: str, documents: list, configs: dict, max_new_tokens: int, stop: list) -> Any:
+    def compare(self, question: str, documents: list, configs: dict, max_new_tokens: int, stop: list,
+                cite: str = "text") -> Any:
         return self.llm.compare(question, documents, methods=configs, hit_rate=True, max_new_tokens=max_new_tokens,
-                                stop=stop)
+                                stop=stop, cite=cite)
 
 
 def _doc_key(question: str, documents: Sequence) -> tuple:
@@ -153,7 +154,8 @@ class RayPool:
                         i = queue.pop(0)
                         configs, _, _ = plans[runner.cell_key(todo[i])]
                         ref = self.actors[a].compare.remote(todo[i].question, list(todo[i].documents), configs,
-                                                            max_new_tokens, list(stop))
+                                                            max_new_tokens, list(stop),
+                                                            settings.get("citations") or "text")
                         running[ref] = (i, a)
                         load[a] += 1
                 [ref], _ = self.ray.wait([*running, *pings], num_returns=1)

@@ -23,7 +23,7 @@ from .metrics import answer_scores, citation_scores, fidelity_scores
 
 ROWS = "rows.jsonl"
 SETTINGS = "run.json"
-_SETTINGS_KEYS = ("model", "instruction", "max_new_tokens", "stop", "seed", "dtype")
+_SETTINGS_KEYS = ("model", "instruction", "max_new_tokens", "stop", "seed", "dtype", "citations")
 # a record without gold documents (--data without 'gold', needle, lines): citations are not scored
 NO_CITATION_SCORES = {"cit_precision": None, "cit_recall": None, "cit_f1": None}
 
@@ -134,6 +134,8 @@ def example_rows(example: Example, comparison: Any, budgets: dict[str, int], mea
                "kept_tokens": mean(c.kept_tokens), "kv_bytes_kept": c.kv_bytes_kept, "kv_bytes_full": c.kv_bytes_full,
                "kv_ratio": c.ratio, "selection_ms": c.selection_ms, "prefill_s": comparison.prefill_s,
                "decode_ms_per_token": result.timings.decode_ms_per_token, "model": settings["model"]}
+        if settings.get("citations") == "json":  # the cited-answer mode: text and citations come from the JSON
+            row.update(raw_text=result.raw_text, json_complete=result.parsed is not None)
         rows.append(row)
     return rows
 
@@ -159,7 +161,8 @@ def append_rows(f, rows: Sequence[dict]) -> None:
 
 def run(llm: Any, examples: Sequence[Example], specs: Sequence[MethodSpec], out: Path, *, settings: dict,
         max_new_tokens: int, stop: Sequence[str], resume: bool = True, progress: bool = True) -> Path:
-    """Run every example not yet in ``out/rows.jsonl``; returns the rows path."""
+    """Run every example not yet in ``out/rows.jsonl``; returns the rows path. ``settings["citations"]``
+    ``"json"`` runs the engine's cited-answer mode (``cite="json"``)."""
     path, todo, plans = pending(llm, examples, specs, out, settings=settings, max_new_tokens=max_new_tokens,
                                 resume=resume)
     bar = _progress(len(examples), len(examples) - len(todo), progress)
@@ -167,7 +170,8 @@ def run(llm: Any, examples: Sequence[Example], specs: Sequence[MethodSpec], out:
         for example in todo:
             configs, budgets, mean_tokens = plans[cell_key(example)]
             comparison = llm.compare(example.question, list(example.documents), methods=configs, hit_rate=True,
-                                     max_new_tokens=max_new_tokens, stop=list(stop))
+                                     max_new_tokens=max_new_tokens, stop=list(stop),
+                                     cite=settings.get("citations") or "text")
             append_rows(f, example_rows(example, comparison, budgets, mean_tokens, settings))
             bar.update(1)
     bar.close()

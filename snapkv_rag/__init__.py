@@ -17,7 +17,7 @@ _WHERE = {
     "H2OConfig": "config", "RandomConfig": "config",
     "Document": "prompts", "parse_citations": "prompts",
     "GenerationResult": "results", "CompressionStats": "results", "Timings": "results", "Usage": "results",
-    "ModelLoadError": "loading",
+    "ModelLoadError": "loading", "SchemaError": "structured",
 }
 __all__ = list(_WHERE)
 
@@ -40,3 +40,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .loading import ModelLoadError
     from .prompts import Document, parse_citations
     from .results import CompressionStats, GenerationResult, Timings, Usage
+    from .structured import SchemaError

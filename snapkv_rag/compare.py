@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import compression
+from . import cited, compression
 from .cache import AttentionLayer, KVCache
 from .generation import Batch, Runner, SamplingOptions, prefill
 from .results import GenerationResult, build_result
@@ -109,10 +109,11 @@ def compare(runner: Runner, tokenizer, request: Request, methods: Mapping[str, A
     order = ([full_name] if full_name is not None else []) + [n for n in methods if n not in full_names]
     for name in order:
         pre.caches[name].recorder = recorder if name == full_name else None
-        rows = _drain(decode_text(runner, tokenizer, pre, name, options, stop))
+        constraint = request.constraint and request.constraint.fresh()  # each method starts the grammar afresh
+        rows = _drain(decode_text(runner, tokenizer, pre, name, options, stop, [constraint]))
         pre.caches[name].recorder = None
-        results[name] = build_result(rows[0], request.documents, prompt_tokens, pre.caches[name], 0, pre.prefill_s,
-                                     pre.selection_ms(name))
+        results[name] = cited.finish(build_result(rows[0], request.documents, prompt_tokens, pre.caches[name], 0,
+                                                  pre.prefill_s, pre.selection_ms(name)), constraint, request.cite)
     for name in full_names:
         results[name] = results[full_name]
     rates = {name: attention_hit_rate(recorder.totals, kept_positions(pre.caches[name]))

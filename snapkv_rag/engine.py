@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
 
-from . import attention, compare as comparing, loading
+from . import attention, cited, compare as comparing, loading, structured
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
 from .generation import Batch, Runner, SamplingOptions, prefill
 from .prompts import DEFAULT_INSTRUCTION, DocumentLike
@@ -27,7 +27,7 @@ from .threads import iterate_in_thread
 
 Comparison = comparing.Comparison
 log = logging.getLogger(__name__)
-OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "snapkv")
+OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "snapkv", "response_format", "cite")
 
 
 class ContextLengthError(ValueError):
@@ -69,7 +69,7 @@ class SnapKVLLM:
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, attn_implementation: str | None = None,
-                 snapkv: Any = SnapKVConfig(), max_new_tokens: int = 128, instruction: str = DEFAULT_INSTRUCTION,
+                 snapkv: Any = SnapKVConfig(), max_new_tokens: int | None = None, instruction: str = DEFAULT_INSTRUCTION,
                  trust_remote_code: bool = False, prefill_chunk: int | None = 4096, compile: bool | str = False):
         if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, "
@@ -83,7 +83,8 @@ class SnapKVLLM:
         if compile and attn_implementation == "flash_attention_2":
             raise ValueError("compile: the fixed-size decode cache needs a 4-D attention mask, which "
                              "flash_attention_2 does not take; use attn_implementation='sdpa' with compile")
-        self.max_new_tokens = SamplingOptions(max_new_tokens=max_new_tokens).max_new_tokens
+        self.max_new_tokens = SamplingOptions(max_new_tokens=128 if max_new_tokens is None else max_new_tokens).max_new_tokens
+        self._structured_max_new_tokens = cited.STRUCTURED_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
         self.instruction = instruction
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
@@ -119,11 +120,18 @@ class SnapKVLLM:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def request(self, question_or_messages: str | Sequence[Message],
-                documents: Sequence[DocumentLike] | None = None, tools: Sequence[Mapping] | None = None) -> Request:
+                documents: Sequence[DocumentLike] | None = None, cite: str = "text",
+                tools: Sequence[Mapping] | None = None) -> Request:
         """The prompt ``generate`` (a question) or ``chat`` (messages, with ``tools``) would run:
-        ``.text`` (chat template applied), ``.input_ids`` and the numbered ``.documents``. Nothing runs."""
-        return encode_request(self.tokenizer, self._messages(question_or_messages), documents, self.instruction,
-                              tools)
+        ``.text`` (chat template applied), ``.input_ids`` and the numbered ``.documents``. Nothing runs. With
+        ``cite="json"`` the instruction asks for the cited-answer JSON (the question stays last)."""
+        if cite not in cited.CITE_MODES:
+            cited.check_cite(cite, ())
+        instruction = cited.CITE_INSTRUCTION if cite == "json" else self.instruction
+        request = encode_request(self.tokenizer, self._messages(question_or_messages), documents, instruction,
+                                 tools)
+        request.cite = cited.check_cite(cite, request.documents)
+        return request
 
     def prompt_tokens(self, question: str, documents: Sequence[DocumentLike] | None = None) -> int:
         """The length of the prompt ``generate(question, documents)`` would run, chat template included."""
@@ -132,7 +140,10 @@ class SnapKVLLM:
     def generate(self, question: str, documents: Sequence[DocumentLike] | None = None, **options) -> GenerationResult:
         """Answer ``question`` over ``documents`` (strings, dicts with ``text``, or :class:`Document`).
         Options: ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``stop`` (strings),
-        ``seed``, ``snapkv`` (a config, or ``False`` for the full cache)."""
+        ``seed``, ``snapkv`` (a config, or ``False`` for the full cache), ``response_format`` (a JSON
+        schema, a pydantic model class or ``{"type": "json_object"}``: the answer is that JSON, parsed
+        in ``result.parsed``) and ``cite`` (``"json"``: the answer and its citations come as
+        constrained JSON, see :mod:`snapkv_rag.cited`)."""
         return self.chat(self._messages(check_question(question)), documents, **options)
 
     def stream(self, question: str, documents: Sequence[DocumentLike] | None = None, **options) -> Iterator[str]:
@@ -173,7 +184,7 @@ class SnapKVLLM:
     async def astream(self, question: str, documents: Sequence[DocumentLike] | None = None,
                       **options) -> AsyncIterator[str]:
         """:meth:`stream` run in a worker thread; bad input raises before the first piece."""
-        self.request(check_question(question), documents)  # validate on the caller's side
+        self._options(dict(options), self.request(check_question(question), documents, options.get("cite", "text")))
         async for piece in iterate_in_thread(lambda: self.stream(question, documents, **options)):
             yield piece
 
@@ -188,7 +199,7 @@ class SnapKVLLM:
             raise ValueError(f"documents: got {len(documents)} lists for {len(questions)} questions")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: must be a positive integer, got {batch_size!r}")
-        requests = [self.request(check_question(q), d) for q, d in zip(questions, documents)]
+        requests = [self.request(check_question(q), d, options.get("cite", "text")) for q, d in zip(questions, documents)]
         results: list[GenerationResult] = []
         for start in range(0, len(requests), batch_size):
             group = requests[start:start + batch_size]
@@ -201,7 +212,7 @@ class SnapKVLLM:
         on one prompt with ONE shared prefill; each result equals ``generate`` with that method."""
         if not methods:
             raise ValueError("methods: give at least one method")
-        request = self.request(check_question(question), documents)
+        request = self.request(check_question(question), documents, options.get("cite", "text"))
         configs = {name: check_config(config) for name, config in methods.items()}
         configs = {name: config and config.for_prompt(len(request.input_ids)) for name, config in configs.items()}
         sampling, stop, _ = self._options({k: v for k, v in options.items() if k != "snapkv"}, request)
@@ -228,14 +239,17 @@ class SnapKVLLM:
                 raise ValueError("response_format: cannot be combined with a tool call (tool_choice "
                                  f"{plan.choice!r}); use tool_choice='none' for a structured text answer")
             options["response_format"] = plan.response_format
-        return self.request(messages, documents, plan and plan.tools), options, plan
+        return self.request(messages, documents, options.get("cite", "text"), plan and plan.tools), options, plan
 
     def _options(self, options: dict, *requests: Request) -> tuple[SamplingOptions, list[str], Any]:
         unknown = set(options) - set(OPTIONS)
         if unknown:
             raise TypeError(f"unexpected option(s): {', '.join(sorted(unknown))}")
+        constrained = cited.constrain(requests, options.get("response_format"), options.get("cite", "text"),
+                                      self._compile_format)
+        default_new = self._structured_max_new_tokens if constrained else self.max_new_tokens
         sampling = SamplingOptions(
-            max_new_tokens=self.max_new_tokens if options.get("max_new_tokens") is None else options["max_new_tokens"],
+            max_new_tokens=default_new if options.get("max_new_tokens") is None else options["max_new_tokens"],
             temperature=options.get("temperature") or 0.0,
             top_p=1.0 if options.get("top_p") is None else options["top_p"], seed=options.get("seed"))
         stop = options.get("stop") or []
@@ -259,7 +273,7 @@ class SnapKVLLM:
         try:
             batch = Batch.of([r.input_ids for r in requests], self.runner.pad_id, self.device)
             pre = prefill(self.runner, batch, {"": config}, room=sampling.max_new_tokens)
-            text = decode_text(self.runner, self.tokenizer, pre, "", sampling, stop)
+            text = decode_text(self.runner, self.tokenizer, pre, "", sampling, stop, [r.constraint for r in requests])
             try:
                 while True:
                     try:
@@ -273,8 +287,9 @@ class SnapKVLLM:
         except torch.OutOfMemoryError as error:
             pre = None  # free the partial cache before the error travels up with this frame
             raise self._out_of_memory(error, longest, len(requests), config) from error
-        results = [build_result(rows[i], r.documents, len(r.input_ids), pre.caches[""], i, pre.prefill_s,
-                                pre.selection_ms(""), batch_size=len(requests)) for i, r in enumerate(requests)]
+        results = [cited.finish(build_result(rows[i], r.documents, len(r.input_ids), pre.caches[""], i, pre.prefill_s,
+                                             pre.selection_ms(""), batch_size=len(requests)), r.constraint, r.cite)
+                   for i, r in enumerate(requests)]
         if log.isEnabledFor(logging.INFO):
             for result in results:
                 c, t = result.compression, result.timings
@@ -293,6 +308,12 @@ class SnapKVLLM:
             f"{budget if budget is not None else 'full cache'}: use a smaller budget, a shorter prompt or a smaller "
             "batch")
 
+    def _compile_format(self, response_format: Any) -> structured.CompiledFormat:
+        """``response_format`` compiled for this model (cached per tokenizer and schema)."""
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        width = head.weight.shape[0] if head is not None else self.model.config.vocab_size
+        return structured.compile_format(self.tokenizer, response_format, int(width), self.runner.eos_ids)
+
     def _eos_ids(self) -> set[int]:
         ids = set()
         for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
@@ -306,7 +327,7 @@ class SnapKVLLM:
 def _with_calls(plan: ToolPlan | None, result: GenerationResult) -> GenerationResult:
     """``result`` with the call it decoded (then ``finish_reason`` is ``"tool_calls"``, as OpenAI says)."""
     if plan is not None:
-        result.tool_calls = plan.calls(result.text)
+        result.tool_calls = plan.calls(result.raw_text or result.text)
         if result.tool_calls:
             result.finish_reason = "tool_calls"
     return result

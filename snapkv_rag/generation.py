@@ -19,11 +19,11 @@ import inspect
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from . import attention
+from . import attention, structured
 from .cache import KVCache, layer_specs
 
 
@@ -195,9 +195,11 @@ def decode_step(runner: Runner, cache: KVCache, tokens: torch.Tensor, positions:
 
 
 def decode(runner: Runner, pre: Prefilled, name: str, options: SamplingOptions,
-           stopped: set[int] | None = None) -> Iterator[Token | Finished]:
+           stopped: set[int] | None = None, constraints: Sequence[Any] | None = None) -> Iterator[Token | Finished]:
     """Decode from ``pre.caches[name]`` until every row is finished. The caller may add rows to
-    ``stopped`` (e.g. when a stop string appeared): they get no more tokens and finish as "stop"."""
+    ``stopped`` (e.g. when a stop string appeared): they get no more tokens and finish as "stop".
+    ``constraints`` has one :class:`~snapkv_rag.structured.Constraint` (or ``None``) per row: a
+    constrained row samples only tokens its grammar allows, and every token it samples is fed back."""
     cache = pre.caches[name]
     batch = len(pre.batch.lengths)
     stopped = set() if stopped is None else stopped
@@ -209,12 +211,20 @@ def decode(runner: Runner, pre: Prefilled, name: str, options: SamplingOptions,
     positions = torch.tensor(pre.batch.lengths, device=runner.device)
     logits, step_ms = pre.logits, []
     done: set[int] = set()
+    constraints = list(constraints) if constraints is not None else [None] * batch
+    constrained = any(c is not None for c in constraints)
+    if constrained:  # masked in place below: leave the prefill's logits to other decodes of it
+        logits = logits.clone()
     for step in range(options.max_new_tokens):
+        if constrained:
+            structured.apply_masks(logits, [None if row in done else c for row, c in enumerate(constraints)])
         tokens = sample(logits, options, generator)
         picked = tokens.tolist()  # one device-to-host copy per step, not one per row
         for row in range(batch):
             if row in done:
                 continue
+            if constraints[row] is not None and row not in stopped:
+                constraints[row].accept(picked[row])
             if row in stopped or picked[row] in runner.eos_ids:
                 done.add(row)
                 yield Finished(row, "stop", tuple(step_ms))

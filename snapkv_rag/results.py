@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from .prompts import Document, parse_citations
 
@@ -53,6 +54,12 @@ class GenerationResult:
     timings: Timings
     finish_reason: str
     documents: list[Document] = field(default_factory=list)
+    parsed: Any = None
+    """With ``response_format`` or ``cite="json"``: the parsed JSON answer; ``None`` for a free-text
+    request, and for a structured one cut short (``finish_reason`` ``"length"``)."""
+    raw_text: str = ""
+    """The decoded text as the model wrote it (in the cited-answer mode: the JSON, while ``text`` is
+    the answer)."""
     tool_calls: list[dict] = field(default_factory=list)
     """With ``tools``: the call the model made, ``[{"id", "name", "arguments": dict}]``."""
 
@@ -93,4 +100,4 @@ def build_result(row_text, documents: list[Document], prompt_tokens: int, cache,
         compression=compression,
         timings=Timings(prefill_s=prefill_s, decode_ms_per_token=row_text.decode_ms_per_token,
                         decode_step_ms=list(row_text.decode_step_ms), batch_size=batch_size),
-        finish_reason=row_text.finish_reason, documents=documents)
+        finish_reason=row_text.finish_reason, documents=documents, raw_text=row_text.text)

@@ -9,7 +9,7 @@ text) and yields ``(row, piece)`` as text becomes final; its return value is one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from .generation import Finished, Prefilled, Runner, SamplingOptions, Token, decode
 from .prompts import Document, DocumentLike, rag_user_message, to_documents
@@ -22,11 +22,14 @@ ROLES = ("system", "user", "assistant", "tool")
 @dataclass
 class Request:
     """One prompt ready to run: the text the model sees (chat template applied), its token ids and
-    the documents it numbers ``[1]..[N]``."""
+    the documents it numbers ``[1]..[N]``. ``constraint`` (a :class:`snapkv_rag.structured.Constraint`)
+    restricts the answer to a response format; ``cite`` is ``"json"`` in the cited-answer mode."""
 
     input_ids: list[int]
     documents: list[Document]
     text: str = ""
+    constraint: Any = None
+    cite: str = "text"
 
 
 @dataclass
@@ -136,12 +139,13 @@ class TextState:
 
 
 def decode_text(runner: Runner, tokenizer, pre: Prefilled, name: str, options: SamplingOptions,
-                stop: Sequence[str] = ()) -> Iterator[tuple[int, str]]:
-    """Decode ``pre.caches[name]`` as text: yields ``(row, piece)``; returns ``list[RowText]``."""
+                stop: Sequence[str] = (), constraints: Sequence[Any] | None = None) -> Iterator[tuple[int, str]]:
+    """Decode ``pre.caches[name]`` as text: yields ``(row, piece)``; returns ``list[RowText]``.
+    ``constraints``: one response-format constraint (or ``None``) per row, see :func:`decode`."""
     states = [TextState(tokenizer, stop) for _ in pre.batch.lengths]
     stopped: set[int] = set()
     finished: dict[int, Finished] = {}
-    events = decode(runner, pre, name, options, stopped)
+    events = decode(runner, pre, name, options, stopped, constraints)
     try:
         for event in events:
             state = states[event.row]
