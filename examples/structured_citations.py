@@ -5,7 +5,8 @@
 The retriever's documents travel as text-plain blocks of the human message, so the engine numbers
 them [1]..[N] (question last, where SnapKV's observation window reads it). The answer is decoded
 under ``CitedAnswer``'s JSON schema, so even the 135M embedded model returns a parseable object
-whose citations are numbers between 1 and the number of retrieved documents.
+whose citations are numbers between 1 and the number of retrieved documents (the answer's length is
+bounded too, so that a small model's repetitive answer cannot run past ``max_new_tokens``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ K = 4  # documents retrieved per question
 class CitedAnswer(BaseModel):
     """Answer the question from the documents, and cite the ones that support the answer."""
 
-    answer: str = Field(description="A short answer, based only on the documents.")
+    answer: str = Field(max_length=100, description="A short answer, based only on the documents.")
     citations: list[Annotated[int, Field(ge=1, le=K)]] = Field(
         min_length=1, max_length=K, description="The numbers of the documents that support the answer.")
 
@@ -39,7 +40,7 @@ def build_chain(chat: ChatSnapKV, retriever):
 
 
 def main(engine: SnapKVLLM | None = None, questions: int = 2) -> None:
-    chat = ChatSnapKV(engine=engine or SnapKVLLM(), max_new_tokens=64,
+    chat = ChatSnapKV(engine=engine or SnapKVLLM(), max_new_tokens=96,
                       snapkv=SnapKVConfig(max_capacity_prompt=128, window_size=16))
     chain = build_chain(chat, build_retriever(k=K))
     for item in load_questions()[:questions]:
