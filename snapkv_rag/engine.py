@@ -22,7 +22,8 @@ from .generation import Runner, SamplingOptions
 from .prompts import DEFAULT_INSTRUCTION, DocumentLike
 from .results import GenerationResult, Timings, finish_result
 from .scheduler import Outcome, Scheduler, SchedulerStats, Ticket
-from .text import Message, Request, check_question, encode_request
+from .text import Message, Request, check_question, encode_request, normalise_messages
+from .tools import ToolPlan
 
 Comparison = comparing.Comparison
 log = logging.getLogger(__name__)
@@ -130,14 +131,16 @@ class SnapKVLLM:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def request(self, question_or_messages: str | Sequence[Message],
-                documents: Sequence[DocumentLike] | None = None, cite: str = "text") -> Request:
-        """The prompt ``generate`` (a question) or ``chat`` (messages) would run: ``.text`` (chat
-        template applied), ``.input_ids`` and the numbered ``.documents``. Nothing runs. With
+                documents: Sequence[DocumentLike] | None = None, cite: str = "text",
+                tools: Sequence[Mapping] | None = None) -> Request:
+        """The prompt ``generate`` (a question) or ``chat`` (messages, with ``tools``) would run:
+        ``.text`` (chat template applied), ``.input_ids`` and the numbered ``.documents``. Nothing runs. With
         ``cite="json"`` the instruction asks for the cited-answer JSON (the question stays last)."""
         if cite not in cited.CITE_MODES:
             cited.check_cite(cite, ())
         instruction = cited.CITE_INSTRUCTION if cite == "json" else self.instruction
-        request = encode_request(self.tokenizer, self._messages(question_or_messages), documents, instruction)
+        request = encode_request(self.tokenizer, self._messages(question_or_messages), documents, instruction,
+                                 tools)
         request.cite = cited.check_cite(cite, request.documents)
         return request
 
@@ -161,7 +164,10 @@ class SnapKVLLM:
     def chat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
              **options) -> GenerationResult:
         """Continue a conversation. With ``documents``, the last (user) message becomes the
-        question of a RAG prompt; the observation window is always the end of the last message."""
+        question of a RAG prompt; the observation window is always the end of the last message.
+        ``tools`` (OpenAI-style function dicts) and ``tool_choice``: see :mod:`snapkv_rag.tools`;
+        the call comes back in ``result.tool_calls``. Messages may hold an assistant message with
+        ``tool_calls`` and ``tool`` messages (``content``, ``tool_call_id``) with the results."""
         return _last(self.stream_result(messages, documents, **options))
 
     def stream_chat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
@@ -172,9 +178,9 @@ class SnapKVLLM:
                       documents: Sequence[DocumentLike] | None = None, **options) -> Iterator[str | GenerationResult]:
         """Like :meth:`stream`, then the full :class:`GenerationResult` as the last item. Input is
         checked before this returns; closing the iterator early cancels the request."""
-        request = self.request(question_or_messages, documents, options.get("cite", "text"))
+        request, options, plan = self._tool_request(question_or_messages, documents, options)
         sampling, stop, config = self._options(options, request)
-        return self._results(request, self._submit(request, sampling, stop, config), config)
+        return self._results(request, self._submit(request, sampling, stop, config), config, plan)
 
     async def agenerate(self, question: str, documents: Sequence[DocumentLike] | None = None,
                         **options) -> GenerationResult:
@@ -196,12 +202,12 @@ class SnapKVLLM:
                              documents: Sequence[DocumentLike] | None = None,
                              **options) -> AsyncIterator[str | GenerationResult]:
         """:meth:`stream_result` for asyncio: pieces, then the result; closing it cancels the request."""
-        request = self.request(question_or_messages, documents, options.get("cite", "text"))
+        request, options, plan = self._tool_request(question_or_messages, documents, options)
         sampling, stop, config = self._options(options, request)
         ticket = self._submit(request, sampling, stop, config, asyncio.get_running_loop())
         try:
             async for item in ticket:
-                yield self._result(request, item) if isinstance(item, Outcome) else item
+                yield self._result(request, item, plan) if isinstance(item, Outcome) else item
         except torch.OutOfMemoryError as error:
             raise self._out_of_memory(error, len(request.input_ids), config) from error
         finally:
@@ -255,6 +261,19 @@ class SnapKVLLM:
             return [{"role": "user", "content": check_question(question_or_messages)}]
         return question_or_messages
 
+    def _tool_request(self, messages, documents, options: dict) -> tuple[Request, dict, ToolPlan | None]:
+        """The request with its tools rendered, the options with the call's ``response_format``."""
+        options = dict(options)
+        messages = self._messages(messages)
+        plan = ToolPlan.of(options.pop("tools", None), options.pop("tool_choice", None),
+                           normalise_messages(messages)[-1]["role"])
+        if plan is not None and plan.response_format is not None:
+            if options.get("response_format") is not None:
+                raise ValueError("response_format: cannot be combined with a tool call (tool_choice "
+                                 f"{plan.choice!r}); use tool_choice='none' for a structured text answer")
+            options["response_format"] = plan.response_format
+        return self.request(messages, documents, options.get("cite", "text"), plan and plan.tools), options, plan
+
     def _options(self, options: dict, *requests: Request) -> tuple[SamplingOptions, list[str], Any]:
         unknown = set(options) - set(OPTIONS)
         if unknown:
@@ -286,21 +305,23 @@ class SnapKVLLM:
             config = config.for_prompt(len(request.input_ids))
         return self.scheduler.submit(request, sampling, stop, config, loop)
 
-    def _results(self, request: Request, ticket: Ticket, config) -> Iterator[str | GenerationResult]:
+    def _results(self, request: Request, ticket: Ticket, config, plan: ToolPlan | None = None
+                 ) -> Iterator[str | GenerationResult]:
         """A ticket's pieces (str) as they come, then the :class:`GenerationResult`."""
         try:
             for item in ticket:
-                yield self._result(request, item) if isinstance(item, Outcome) else item
+                yield self._result(request, item, plan) if isinstance(item, Outcome) else item
         except torch.OutOfMemoryError as error:
             raise self._out_of_memory(error, len(request.input_ids), config) from error
         finally:
             ticket.cancel()
 
-    def _result(self, request: Request, outcome: Outcome) -> GenerationResult:
+    def _result(self, request: Request, outcome: Outcome, plan: ToolPlan | None = None) -> GenerationResult:
         timings = Timings(prefill_s=outcome.prefill_s, decode_ms_per_token=0.0, batch_size=outcome.batch_size,
                           queued_s=outcome.queued_s)
         result = cited.finish(finish_result(outcome.row, request.documents, len(request.input_ids), outcome.compression,
                                             timings), request.constraint, request.cite)
+        result = _with_calls(plan, result)
         if log.isEnabledFor(logging.INFO):
             c, t = result.compression, result.timings
             log.info("%s: kept %d of %d prompt tokens per layer (%s), prefill %.2f s, %d tokens at %.1f ms/token%s (%s)",
@@ -332,6 +353,15 @@ class SnapKVLLM:
             elif source is not None:
                 ids.update(int(i) for i in source)
         return ids or {0}
+
+
+def _with_calls(plan: ToolPlan | None, result: GenerationResult) -> GenerationResult:
+    """``result`` with the call it decoded (then ``finish_reason`` is ``"tool_calls"``, as OpenAI says)."""
+    if plan is not None:
+        result.tool_calls = plan.calls(result.raw_text or result.text)
+        if result.tool_calls:
+            result.finish_reason = "tool_calls"
+    return result
 
 
 def _last(run) -> GenerationResult:

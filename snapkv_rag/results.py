@@ -62,6 +62,8 @@ class GenerationResult:
     raw_text: str = ""
     """The decoded text as the model wrote it (in the cited-answer mode: the JSON, while ``text`` is
     the answer)."""
+    tool_calls: list[dict] = field(default_factory=list)
+    """With ``tools``: the call the model made, ``[{"id", "name", "arguments": dict}]``."""
 
     @property
     def cited_documents(self) -> list[Document]:

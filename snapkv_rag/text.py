@@ -13,9 +13,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from .generation import Finished, Prefilled, Runner, SamplingOptions, Token, decode
 from .prompts import Document, DocumentLike, rag_user_message, to_documents
+from .tools import for_template, has_tool_section, normalise_tool_calls, render_without_tool_section
 
 Message = Mapping[str, str] | tuple[str, str]
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -50,7 +51,9 @@ def check_question(question) -> str:
     return question
 
 
-def normalise_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+def normalise_messages(messages: Sequence[Message]) -> list[dict]:
+    """``{"role", "content"}`` dicts; an assistant message may carry ``tool_calls`` (then its content
+    may be empty or ``None``), a ``tool`` message its ``tool_call_id`` and ``name``."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages: expected a non-empty list of {'role', 'content'} dicts")
     out = []
@@ -59,16 +62,25 @@ def normalise_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
                          ) if isinstance(message, (tuple, Mapping)) else (None, None)
         if role not in ROLES:
             raise ValueError(f"messages[{i}]: role must be one of {ROLES}, got {role!r}")
+        calls = message.get("tool_calls") if isinstance(message, Mapping) and role == "assistant" else None
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}]: content must be a str, got {type(content).__name__}")
         out.append({"role": role, "content": content})
+        if calls:
+            out[-1]["tool_calls"] = normalise_tool_calls(calls, f"messages[{i}]")
+        if role == "tool" and isinstance(message, Mapping):
+            out[-1].update({k: str(message[k]) for k in ("tool_call_id", "name") if message.get(k) is not None})
     return out
 
 
 def encode_request(tokenizer, messages: Sequence[Message], documents: Sequence[DocumentLike] | None,
-                   instruction: str) -> Request:
+                   instruction: str, tools: list[dict] | None = None) -> Request:
     """The prompt of a conversation; with ``documents``, the last (user) message becomes the question
-    of a RAG prompt (documents first, question last), through the model's chat template."""
+    of a RAG prompt (documents first, question last), through the model's chat template. ``tools``
+    (checked, see :mod:`snapkv_rag.tools`) go through the template's tools section where it has
+    one, else into the system message as text."""
     messages = normalise_messages(messages)
     docs = to_documents(documents)
     if docs:
@@ -76,8 +88,15 @@ def encode_request(tokenizer, messages: Sequence[Message], documents: Sequence[D
             raise ValueError("messages: with documents, the last message must be the user's question")
         check_question(messages[-1]["content"])
         messages[-1] = {"role": "user", "content": rag_user_message(messages[-1]["content"], docs, instruction)}
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    template = getattr(tokenizer, "chat_template", None)
+    extra = {}
+    if template and has_tool_section(tokenizer):
+        messages = for_template(messages)
+        extra = {"tools": tools} if tools else {}
+    elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        messages = render_without_tool_section(messages, tools)
+    if template:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     else:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
     return Request(input_ids=tokenizer(text, add_special_tokens=False).input_ids, documents=docs, text=text)

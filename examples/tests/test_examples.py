@@ -38,3 +38,18 @@ def test_compare_full_vs_snapkv(engine, capsys):
     rows = dict(re.findall(r"^\s+(full cache|snapkv-128): kept (\d+)/\d+ tokens", out, re.M))
     assert int(rows["snapkv-128"]) == 128 < int(rows["full cache"])
     assert len(re.findall(r"ms/token", out)) == 2
+
+
+def test_structured_citations(engine, capsys):
+    import structured_citations
+
+    structured_citations.main(engine, questions=2)
+    out = capsys.readouterr().out
+    answers = re.findall(r"^A: (.*)$", out, re.M)
+    citations = re.findall(r"^   citations: \[([\d, ]+)\]$", out, re.M)
+    assert len(answers) == len(citations) == 2  # every answer parsed, each with at least one citation
+    for listed in citations:
+        numbers = [int(n) for n in listed.split(",")]
+        assert all(1 <= n <= structured_citations.K for n in numbers)
+        for n in numbers:  # each citation is shown with the retrieved document it names
+            assert re.search(rf"^   \[{n}\] \S.* \(\S+\)$", out, re.M)

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import closing
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage,
+                                     ToolMessage)
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.messages.content import create_plaintext_block
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
 from snapkv_rag import Document, GenerationResult
 from snapkv_rag.prompts import to_document
+from snapkv_rag.tools import ToolPlan
 
-from snapkv_rag.adapters import iterate_in_thread
 
+from . import structured
 from ._engine import EngineFields, result_metadata, to_engine_documents, usage_metadata
 
 _ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant"}
@@ -52,8 +55,16 @@ class ChatSnapKV(EngineFields, BaseChatModel):
     the engine safely: each answer equals the sequential one), ``stop`` sequences, and
     ``usage_metadata`` are supported. ``response_metadata`` carries ``model_name``,
     ``finish_reason``, ``citations``, ``cited_documents``, ``compression`` (kept tokens per layer,
-    KV bytes, ratio) and ``timings``. Tool calling, structured output and image/audio inputs are
-    not supported.
+    KV bytes, ratio) and ``timings``. Image/audio inputs are not supported.
+
+    Tools and structured output are decoded under a JSON schema, so they always parse::
+
+        calling = chat.bind_tools([get_weather], tool_choice="any")   # "auto", "any", a name, "none"
+        calling.invoke("Weather in Paris?").tool_calls   # [{"name": "get_weather", "args": {...}, ...}]
+        chat.with_structured_output(CitedAnswer).invoke("Who wrote Hamlet?", documents=retrieved)
+
+    ``tool_choice="auto"`` (the default) calls a tool unless the last message is a tool result,
+    then answers in text (see :mod:`snapkv_rag.tools`: a small model cannot judge by itself).
     """
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -70,58 +81,97 @@ class ChatSnapKV(EngineFields, BaseChatModel):
             params["ls_stop"] = stop or self.stop
         return params
 
+    # ------------------------------------------------------------------ tools, structured output
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+                   tool_choice: str | bool | dict | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (LangChain tools, functions, pydantic classes, TypedDicts or OpenAI function
+        dicts). ``tool_choice``: ``"auto"`` (default), ``"any"``/``"required"``, a tool name,
+        ``True`` (the one tool) or ``"none"``. A call is decoded under the JSON schema of the call."""
+        formatted, choice = structured.engine_tools(tools, tool_choice)
+        return self.bind(tools=formatted, **({"tool_choice": choice} if choice else {}), **kwargs)
+
+    def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
+        """Answers parsed into ``schema`` (a pydantic class, a TypedDict or a JSON schema dict).
+
+        ``method``: ``"json_schema"`` (default) decodes the answer under the schema;
+        ``"function_calling"`` makes it a forced call of a tool with that schema; ``"json_mode"``
+        decodes any JSON object when ``schema`` is None, and under the schema when one is given
+        (a small model does not follow a schema from the prompt alone). ``include_raw=True``
+        returns ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``. ``strict`` is accepted
+        for compatibility: decoding always follows the schema."""
+        return structured.structured_runnable(self, schema, method, include_raw, kwargs)
+
     # ------------------------------------------------------------------ generation
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> dict[str, Any]:
+        kwargs = dict(kwargs)
+        extra = {name: kwargs.pop(name) for name in ("tools", "tool_choice", "response_format") if name in kwargs}
         options, documents = self._call_options(stop, kwargs)
         chat, block_documents = to_engine_messages(messages)
         if block_documents and documents:
             raise ValueError("documents: pass them either as documents= or as text-plain content blocks, not both")
-        return {"messages": chat, "documents": documents or block_documents or None, **options}
+        return {"messages": chat, "documents": documents or block_documents or None, **options, **extra}
 
-    def _chat_result(self, result: GenerationResult) -> ChatResult:
-        message = AIMessage(content=result.text, usage_metadata=usage_metadata(result),
-                            response_metadata=result_metadata(result, self.model_name))
+    @staticmethod
+    def _expects_call(request: dict[str, Any]) -> bool:
+        plan = ToolPlan.of(request.get("tools"), request.get("tool_choice"), request["messages"][-1]["role"])
+        return plan is not None and bool(plan.call)
+
+    def _chat_result(self, result: GenerationResult, expects_call: bool) -> ChatResult:
+        message = structured.ai_message(result, expects_call, usage_metadata=usage_metadata(result),
+                                        response_metadata=result_metadata(result, self.model_name))
         return ChatResult(generations=[ChatGeneration(message=message,
                                                       generation_info={"finish_reason": result.finish_reason})],
                           llm_output={"model_name": self.model_name})
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        return self._chat_result(self.engine.chat(**self._request(messages, stop, kwargs)))
+        request = self._request(messages, stop, kwargs)
+        return self._chat_result(self.engine.chat(**request), self._expects_call(request))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         request = self._request(messages, stop, kwargs)
-        return self._chat_result(await asyncio.to_thread(lambda: self.engine.chat(**request)))
+        result = await self.engine.achat(**request)
+        return self._chat_result(result, self._expects_call(request))
 
-    def _chunk(self, item: str | GenerationResult) -> ChatGenerationChunk:
+    def _chunks(self, item: str | GenerationResult, expects_call: bool) -> list[ChatGenerationChunk]:
+        """Text pieces as they come (a tool call's JSON is not text: it comes as one tool-call
+        chunk at the end), then the figures."""
         if isinstance(item, str):
-            return ChatGenerationChunk(message=AIMessageChunk(content=item))
-        return ChatGenerationChunk(
+            return [] if expects_call else [ChatGenerationChunk(message=AIMessageChunk(content=item))]
+        call = structured.call_chunk(item)
+        if expects_call and call is None:  # cut short: the text, as invoke gives it
+            call = AIMessageChunk(content=item.text)
+        last = ChatGenerationChunk(
             message=AIMessageChunk(content="", usage_metadata=usage_metadata(item),
                                    response_metadata=result_metadata(item, self.model_name), chunk_position="last"),
             generation_info={"finish_reason": item.finish_reason})
+        return [ChatGenerationChunk(message=call), last] if call is not None else [last]
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
+        expects_call = self._expects_call(request)
         with closing(self.engine.stream_result(request.pop("messages"), **request)) as items:
             for item in items:
-                chunk = self._chunk(item)
-                if run_manager and isinstance(item, str):
-                    run_manager.on_llm_new_token(item, chunk=chunk)
-                yield chunk
+                for chunk in self._chunks(item, expects_call):
+                    if run_manager and chunk.message.content and isinstance(item, str):
+                        run_manager.on_llm_new_token(item, chunk=chunk)
+                    yield chunk
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
+        expects_call = self._expects_call(request)
         chat = request.pop("messages")
-        async for item in iterate_in_thread(lambda: self.engine.stream_result(chat, **request)):
-            chunk = self._chunk(item)
-            if run_manager and isinstance(item, str):
-                await run_manager.on_llm_new_token(item, chunk=chunk)
-            yield chunk
+        async for item in self.engine.astream_result(chat, **request):
+            for chunk in self._chunks(item, expects_call):
+                if run_manager and chunk.message.content and isinstance(item, str):
+                    await run_manager.on_llm_new_token(item, chunk=chunk)
+                yield chunk
 
 
 def documents_message(question: str, documents: Sequence[Any]) -> HumanMessage:
@@ -137,10 +187,14 @@ def documents_message(question: str, documents: Sequence[Any]) -> HumanMessage:
     return HumanMessage(content=[*blocks, {"type": "text", "text": question}])
 
 
-def to_engine_messages(messages: Sequence[BaseMessage]) -> tuple[list[dict[str, str]], list[Document]]:
-    """Role/content dicts for the engine, and the ``text-plain`` blocks of the last human
+_CALL_BLOCKS = ("tool_use", "tool_call", "function_call", "tool_call_chunk")
+
+
+def to_engine_messages(messages: Sequence[BaseMessage]) -> tuple[list[dict[str, Any]], list[Document]]:
+    """Role/content dicts for the engine (an AI message's ``tool_calls`` and a tool message's
+    ``tool_call_id`` and ``name`` included), and the ``text-plain`` blocks of the last human
     message as documents (elsewhere their text stays inline)."""
-    chat: list[dict[str, str]] = []
+    chat: list[dict[str, Any]] = []
     documents: list[Document] = []
     for index, message in enumerate(messages):
         role = _role(message, index)
@@ -151,6 +205,8 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> tuple[list[dict[str, 
                 texts.append(block)
             elif block.get("type") == "text":
                 texts.append(block["text"])
+            elif role == "assistant" and block.get("type") in _CALL_BLOCKS:
+                continue  # the same calls are in message.tool_calls
             elif block.get("type") == "text-plain" and isinstance(block.get("text"), str):
                 document = Document(text=block["text"], title=block.get("title"), id=block.get("id"))
                 if last_user:
@@ -161,16 +217,20 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> tuple[list[dict[str, 
                 raise ValueError(f"messages[{index}]: content block of type {block.get('type')!r} is not supported; "
                                  "ChatSnapKV takes text, and text-plain blocks with inline text as documents")
         chat.append({"role": role, "content": "".join(texts)})
+        if isinstance(message, AIMessage) and message.tool_calls:
+            chat[-1]["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "arguments": c["args"]}
+                                      for c in message.tool_calls]
+        if isinstance(message, ToolMessage):
+            chat[-1].update({"tool_call_id": message.tool_call_id, "name": message.name})
     return chat, documents
 
 
 def _role(message: BaseMessage, index: int) -> str:
-    if isinstance(message, AIMessage) and message.tool_calls:
-        raise ValueError(f"messages[{index}]: ChatSnapKV does not support tool calling (AIMessage with tool_calls)")
-    for kind, role in ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant")):
+    for kind, role in ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant"),
+                       (ToolMessage, "tool")):
         if isinstance(message, kind):
             return role
     if isinstance(message, ChatMessage) and message.role in _ROLES:
         return _ROLES[message.role]
     raise ValueError(f"messages[{index}]: {type(message).__name__} is not supported; ChatSnapKV takes system, "
-                     f"human and AI messages (no tool calling)")
+                     f"human, AI and tool messages")

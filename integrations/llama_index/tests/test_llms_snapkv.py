@@ -121,10 +121,12 @@ async def test_concurrent_async_queries_keep_their_own_figures(tiny_engine):
 
 
 def test_bad_input_is_named(llm, tiny_engine):
-    with pytest.raises(ValueError, match="role 'tool'"):
-        llm.chat([ChatMessage(role=MessageRole.TOOL, content="42")])
+    with pytest.raises(ValueError, match="role 'function'"):
+        llm.chat([ChatMessage(role=MessageRole.FUNCTION, content="42")])
     with pytest.raises(TypeError, match="unexpected option"):
-        llm.complete("Hello", tools=[])
+        llm.complete("Hello", bogus=[])
+    with pytest.raises(TypeError, match="tools: expected a list"):
+        llm.complete("Hello", tools="add")
     with pytest.raises(ValueError, match="device"):
         SnapKVLLM(engine=tiny_engine, device="cpu")
 

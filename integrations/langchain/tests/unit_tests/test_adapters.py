@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
-from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.messages import FunctionMessage, HumanMessage
 from langchain_snapkv import ChatSnapKV, SnapKVLLM, documents_message
 
 DOCS = [Document(page_content="Paris is the capital of France.", metadata={"title": "Paris"}, id="p"),
@@ -90,7 +90,9 @@ def test_early_stop_of_a_stream_releases_the_engine(chat):
     ({"documents": "one string"}, "wrap it in a list"),
     ({"documents": [42]}, r"documents\[0\]: expected a LangChain Document"),
     ({"model": "other"}, "per-call model override"),
-    ({"tools": []}, "unexpected option"),
+    ({"tools": "add"}, "tools: expected a list"),
+    ({"tool_choice": "any"}, "tool_choice: given without tools"),
+    ({"bogus": 1}, "unexpected option"),
 ])
 def test_bad_options_name_the_problem(chat, bad, message):
     with pytest.raises((TypeError, ValueError), match=message):
@@ -98,8 +100,8 @@ def test_bad_options_name_the_problem(chat, bad, message):
 
 
 def test_unsupported_messages_are_refused(chat):
-    with pytest.raises(ValueError, match="ToolMessage"):
-        chat.invoke([ToolMessage("42", tool_call_id="1")])
+    with pytest.raises(ValueError, match="FunctionMessage"):
+        chat.invoke([FunctionMessage("42", name="add")])
     image = {"type": "image", "url": "https://example.com/a.png"}
     with pytest.raises(ValueError, match="'image'"):
         chat.invoke([HumanMessage(content=[image, {"type": "text", "text": "What is this?"}])])
