@@ -47,10 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--burst-every-s", type=float, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a tiny random model, 25 s, small counts")
+    parser.add_argument("--quick", action="store_true", help="a tiny random model, 15 s, small counts")
     args = parser.parse_args(argv)
     if args.quick:
-        args.seconds, args.prompts, args.new_tokens, args.burst_every_s = min(args.seconds, 25), 4, 8, 10
+        args.seconds, args.prompts, args.new_tokens, args.burst_every_s = min(args.seconds, 15), 4, 8, 6
     if min(args.clients, args.max_batch, args.prompts, args.new_tokens) < 1 or args.max_queue < 0 or args.seconds <= 0:
         parser.error("--clients, --max-batch, --prompts, --new-tokens must be >= 1, --max-queue >= 0, --seconds > 0")
     return args
