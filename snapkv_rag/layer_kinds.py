@@ -67,11 +67,12 @@ def layer_specs(config, model=None) -> list[LayerSpec]:
     if odd:
         raise UnsupportedModelError(f"model type {model_type!r} has {', '.join(odd)} layers; snapkv-rag supports "
                                     f"{_SUPPORTED}")
-    if "reuse" in (getattr(text, "kv_sharing_modes", None) or []):
+    if "reuse" in (getattr(text, "kv_sharing_modes", None) or []) or getattr(text, "num_kv_shared_layers", 0):
         raise UnsupportedModelError(f"model type {model_type!r} has layers that attend over another layer's K/V "
                                     f"(shared KV); snapkv-rag supports {_SUPPORTED}")
     layers = list(DynamicCache(config=config).layers)
-    return [_spec(layers[i] if i < len(layers) else DynamicLayer(), text, model_type, i)
+    return [LayerSpec(NONE) if i < len(types) and types[i] in ("mlp", "moe")  # (older 5.x: a state layer, left empty)
+            else _spec(layers[i] if i < len(layers) else DynamicLayer(), text, model_type, i)
             for i in range(text.num_hidden_layers)]
 
 

@@ -259,11 +259,21 @@ def tiny_minimax(vocab: int):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
+def tiny_gemma3n(vocab: int):
+    """Gemma 3n: its last layers attend over K/V that earlier layers stored (``kv_sharing_modes`` "reuse")."""
+    config = transformers.Gemma3nTextConfig(
+        **{**COMMON, "vocab_size": vocab}, num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=vocab,
+        hidden_size_per_layer_input=8, laurel_rank=8, activation_sparsity_pattern=[0.0] * 4)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
 @pytest.mark.parametrize("model_of_case, match", [
     (lambda vocab: tiny_llama(vocab, layer_types=["chunked_attention", "full_attention"]),
      "model type 'llama' has chunked_attention layers.*supports"),
     (tiny_minimax, "model type 'minimax' accepts only its own cache class \\(MiniMaxCache\\).*not supported"),
-], ids=["chunked-attention", "minimax-own-cache"])
+    (tiny_gemma3n, "model type 'gemma3n_text' has layers that attend over another layer's K/V"),
+], ids=["chunked-attention", "minimax-own-cache", "gemma3n-shared-kv"])
 def test_an_unsupported_model_is_refused_before_any_work_naming_the_model_type(model_of_case, match, tokenizer):
     from snapkv_rag.cache import UnsupportedModelError
 
