@@ -79,12 +79,13 @@ def _grouped(module, query, key) -> bool:
 def _make_wrapper(base: str):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         cache: KVCache | None = kwargs.pop(CACHE_KWARG, None)
-        layer = cache.layers[module.layer_idx] if cache is not None else None
+        index = cache.attending if cache is not None else None  # (module.layer_idx: None in Zamba's shared blocks)
+        layer = cache.layers[index] if cache is not None else None
         if not isinstance(layer, AttentionLayer):
             return _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
         if layer.pending is not None:  # the prompt: attend as the model does, then compress
             output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
-            cache.prefill_attention(module.layer_idx, query, key, scoring_of(module, kwargs))
+            cache.prefill_attention(index, query, key, scoring_of(module, kwargs))
             return output
         if layer.valid is None:  # every slot open: the base implementation as it is
             output = _base_function(base, module)(module, query, key, value, None, *args, **kwargs)
@@ -98,7 +99,7 @@ def _make_wrapper(base: str):
                 function = _base_function("sdpa" if base == "flash_attention_2" else base, module)
                 output = function(module, query, key, value, mask, *args, **kwargs)
         if cache.recorder is not None:
-            cache.recorder(module.layer_idx, query, key, scoring_of(module, kwargs))
+            cache.recorder(index, query, key, scoring_of(module, kwargs))
         return output
 
     attention.__name__ = f"{PREFIX}{base}"

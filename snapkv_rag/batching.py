@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from .cache import RECURRENT, SLIDING, AttentionLayer, KVCache
+from .cache import SLIDING, AttentionLayer, KVCache
 
 
 def can_merge(cache: KVCache) -> bool:
-    """Whether rows of caches like ``cache`` can decode in one batch (no recurrent layers)."""
-    return all(spec.kind != RECURRENT for spec in cache.specs)
+    """Whether rows of caches like ``cache`` can decode in one batch (attention layers only, none
+    with a recurrent state beside it)."""
+    return all(spec.attends and not spec.state for spec in cache.specs)
 
 
 def merge(caches: list[KVCache], room: int) -> KVCache:

@@ -7,8 +7,10 @@
   a method compresses inside that share when it exceeds the budget. A window longer than the
   prompt makes it a full layer for the prompt; positions leaving the window while decoding are
   masked out.
-- ``recurrent``: linear-attention / recurrent state (Qwen3-Next): transformers' own layer object,
-  passed through untouched.
+- ``recurrent``: linear-attention / Mamba / conv state (Qwen3-Next, Nemotron-H, LFM2): transformers'
+  own layer object, passed through untouched; ``none`` (MLP-only layers): likewise.
+- an attention kind whose spec has ``state`` (Falcon-H1, Zamba): a :class:`HybridLayer`, our
+  attention buffers plus transformers' own state handling for the Mamba part beside it.
 - ``latent``: multi-head latent attention (DeepSeek-V2/V3): the cache holds one latent per token for
   all heads; it is compressed like a full layer, with one selection shared by all heads.
 
@@ -28,51 +30,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from . import compression
 from .config import RandomConfig
-
-FULL, SLIDING, RECURRENT, LATENT = "full", "sliding", "recurrent", "latent"
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    kind: str
-    window: int | None = None  # sliding layers: the attention window W
-
-
-class UnsupportedModelError(ValueError):
-    """The model has a layer kind this cache does not handle; the message names the model type."""
-
-
-def layer_specs(config) -> list[LayerSpec]:
-    """The kind of every decoder layer of a model, read from the cache transformers itself builds
-    for that config (so it follows the installed version's own rules)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    model_type = getattr(config, "model_type", type(config).__name__)
-    types = getattr(text, "layer_types", None) or []
-    odd = sorted({t for t in types if t not in ("full_attention", "sliding_attention", "linear_attention")})
-    if odd:
-        raise UnsupportedModelError(
-            f"model type {model_type!r} has {', '.join(odd)} layers; snapkv-rag supports full attention, sliding "
-            "window attention and linear-attention (recurrent) layers")
-    layers = list(DynamicCache(config=config).layers)
-    count = text.num_hidden_layers
-    specs = []
-    for i in range(count):
-        layer = layers[i] if i < len(layers) else DynamicLayer()
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            specs.append(LayerSpec(SLIDING, int(layer.sliding_window)))
-        elif type(layer) is DynamicLayer:
-            specs.append(LayerSpec(LATENT if getattr(text, "kv_lora_rank", None) else FULL))
-        elif "LinearAttention" in type(layer).__name__ and not isinstance(layer, DynamicLayer):
-            specs.append(LayerSpec(RECURRENT))
-        else:
-            raise UnsupportedModelError(
-                f"model type {model_type!r}: layer {i} uses a {type(layer).__name__} cache; snapkv-rag supports full "
-                "attention, sliding window attention and linear-attention (recurrent) layers")
-    return specs
+from .layer_kinds import (FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec, UnsupportedModelError,  # noqa: F401
+                          layer_specs)  # (re-exported: where callers found them before)
 
 
 class AttentionLayer(DynamicLayer):
@@ -174,19 +137,50 @@ class AttentionLayer(DynamicLayer):
         self.keys, self.values, self.positions = pad(self.keys), pad(self.values), pad(self.positions, -1)
 
 
+class HybridLayer(AttentionLayer, LinearAttentionLayer):
+    """A layer with attention and a Mamba state side by side (Falcon-H1's parallel mixers, Zamba's
+    shared transformer block before its Mamba layer): the attention part is an :class:`AttentionLayer`,
+    compressed like any other; the conv / SSM states are kept by transformers' own code, untouched."""
+
+    def __init__(self, spec: LayerSpec, number_of_states: int = 1):
+        AttentionLayer.__init__(self, spec)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # only the state side initialises lazily: the attention side is set up by update() / store()
+        LinearAttentionLayer.lazy_initialization(self, *args, **kwargs)
+
+    def take_state_from(self, other: HybridLayer) -> None:
+        """A copy of ``other``'s conv / SSM states (a sibling cache filled by the same prompt)."""
+        for name in ("conv_states", "recurrent_states"):
+            setattr(self, name, {i: None if t is None else t.clone() for i, t in getattr(other, name).items()})
+        for name in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
+                     "conv_kernel_size"):
+            setattr(self, name, dict(getattr(other, name)))
+        self.dtype = other.dtype
+
+
 class KVCache(DynamicCache):
     """The cache of one request batch under one compression method (``None``: the full cache)."""
 
     def __init__(self, model_config, specs: list[LayerSpec], method=None):
         super().__init__(config=model_config)
         layers = list(self.layers) + [None] * (len(specs) - len(self.layers))
-        self.layers = [layer if spec.kind == RECURRENT else AttentionLayer(spec) for spec, layer in zip(specs, layers)]
+        self.layers = [layer if not spec.attends else HybridLayer(spec, layer.number_of_states) if spec.state
+                       else AttentionLayer(spec) for spec, layer in zip(specs, layers)]
+        self.attending = 0  # the layer whose K/V were handed over last: the one whose attention runs next
         self.layer_class_to_replicate = None
         self.specs, self.method = specs, method
         self.selection_s = 0.0
         self.record_s = 0.0  # time the recorder took in the last step (kept out of decode timings)
         self.recorder = None  # called as recorder(layer_idx, query, keys, scoring) by decode steps
         self._prefill: tuple[list[KVCache], list[int], int] | None = None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """transformers' entry point for a layer's new K/V; it also tells the attention function which
+        layer it serves (Zamba's shared attention blocks carry no layer index of their own)."""
+        self.attending = layer_idx
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def open_prefill(self, siblings: list[KVCache], real_lengths: list[int], room: int) -> None:
         """The next forward pass is a prompt of rows with ``real_lengths`` real tokens (left padded):
@@ -218,9 +212,10 @@ class KVCache(DynamicCache):
 
     def kept_tokens(self, row: int, prompt_tokens: int) -> list[int]:
         """Prompt positions held per layer for ``row``, read from the buffers (a recurrent layer
-        holds a fixed-size state that summarises the whole prompt: reported as the prompt length)."""
-        return [layer.kept_counts()[row] if isinstance(layer, AttentionLayer) else prompt_tokens
-                for layer in self.layers]
+        holds a fixed-size state that summarises the whole prompt: reported as the prompt length; an
+        MLP-only layer holds nothing: 0)."""
+        return [layer.kept_counts()[row] if isinstance(layer, AttentionLayer) else 0 if spec.kind == NONE
+                else prompt_tokens for spec, layer in zip(self.specs, self.layers)]
 
     def kv_bytes(self, row: int, prompt_tokens: int) -> tuple[int, int]:
         """(bytes the full cache holds for the prompt, bytes this cache holds), over attention layers."""
@@ -241,8 +236,8 @@ class KVCache(DynamicCache):
 
     def make_static(self) -> torch.Tensor | None:
         """Switch to fixed-size decoding (see :class:`AttentionLayer`); returns the shared slot
-        tensor, or ``None`` (nothing changed) when some layer is recurrent."""
-        if len(self.attention_layers) != len(self.layers):
+        tensor, or ``None`` (nothing changed) when some layer holds a recurrent state or no K/V."""
+        if any(spec.state or not spec.attends for spec in self.specs):
             return None
         first = self.attention_layers[0][1]
         slot = torch.full((1,), first.length, dtype=torch.long, device=first.keys.device)
@@ -261,7 +256,9 @@ class KVCache(DynamicCache):
         import copy
 
         for i, layer in enumerate(other.layers):
-            if not isinstance(layer, AttentionLayer):
+            if isinstance(layer, HybridLayer):
+                self.layers[i].take_state_from(layer)
+            elif not isinstance(layer, AttentionLayer):
                 self.layers[i] = copy.deepcopy(layer)
 
 

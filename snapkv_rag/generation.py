@@ -101,7 +101,7 @@ class Runner:
         params = inspect.signature(self.model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
-        self.specs = layer_specs(self.model.config)
+        self.specs = layer_specs(self.model.config, self.model)
         self.device = next(self.model.parameters()).device
 
     def forward(self, input_ids, attention_mask, position_ids, cache: KVCache, compiled: bool = False) -> torch.Tensor:
