@@ -155,7 +155,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
     async def check_length(call: Call) -> None:
         try:
             prompt = await asyncio.to_thread(llm.request, call.prompt, call.documents,
-                                             tools=call.tools and call.tools.tools)
+                                             tools=call.tools and call.tools.shown)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="messages" if call.kind == "chat" else "prompt") from None
         tokens, new = len(prompt.input_ids), call.options.get("max_new_tokens", llm.max_new_tokens)
