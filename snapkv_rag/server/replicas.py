@@ -87,7 +87,9 @@ def run(engine_options: dict, settings: ServerSettings, args) -> int:
     ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
     gpus = 1 if torch.cuda.is_available() else 0
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(application(engine_options, settings, args.replicas, gpus), name="snapkv-rag", route_prefix="/")
+    quiet = {"log_level": "INFO" if args.verbose else "WARNING", "enable_access_log": args.verbose}
+    serve.run(application(engine_options, settings, args.replicas, gpus), name="snapkv-rag", route_prefix="/",
+              logging_config=quiet)
     log.warning("serving %r on http://%s:%d/v1 from %d Ray Serve replicas (%s)", settings.model_name, args.host,
                 args.port, args.replicas, "one GPU each" if gpus else "CPU")
     stop = threading.Event()
