@@ -119,14 +119,14 @@ def main(argv=None) -> int:
     # 1-2. the benchmarks, with what the later steps do not need (each one's watchdog ends it 30 s past
     # its budget; what the grid leaves unused goes to the concurrent run)
     tiny = (["--tiny", "--steps", "4", "--models", "tiny-gqa", "--compile-estimate-s", "5", "--sizes", "160"]
-            if args.tiny else [])  # one prompt length for both runs: the second finds its compiled graphs cached
+            if args.tiny else [])  # tiny: the grid alone compiles (slow on a CPU), the concurrent run is eager
     bench_s = args.grid_share * (left() - args.tests_s - args.evals_s - 2 * 35)
     grid = [sys.executable, str(HERE / "gpu_decode.py"), str(out), "--time-budget-s", f"{bench_s:.0f}",
             "--device", args.device, *tiny]
     step("gpu_decode", grid, bench_s + 35, out, env, report)
     bench_s = left() - args.tests_s - args.evals_s - 35
     concurrent = [sys.executable, str(HERE / "gpu_decode.py"), str(out), "--concurrent", "--time-budget-s",
-                  f"{bench_s:.0f}", "--device", args.device, *tiny] + (["--batches", "1", "2"] if args.tiny else [])
+                  f"{bench_s:.0f}", "--device", args.device, *tiny] + (["--batches", "1", "2", "--no-compile"] if args.tiny else [])
     step("gpu_concurrent", concurrent, bench_s + 35, out, env, report)
 
     with tempfile.TemporaryDirectory() as scratch:

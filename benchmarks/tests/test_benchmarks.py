@@ -61,7 +61,7 @@ def test_gpu_check_runs_from_a_copied_tree_without_the_package(tmp_path: Path) -
     assert probe.stdout.strip().startswith(str(tree))  # the copy's package, not the installed one
     subprocess.run([sys.executable, "-c", HIDE_INSTALLED, "benchmarks/gpu_check.py", str(out), "--tiny",
                     "--device", "cpu", "--time-budget-s", "400", "--tests-k", "budget_above_prompt",
-                    "--grid-share", "0.7", "--tests-s", "80"],
+                    "--grid-share", "0.85", "--tests-s", "100"],
                    cwd=tree, env=env, check=True, timeout=480)
     check = json.loads((out / "gpu_check.json").read_text())
     assert set(check["steps"]) == {"gpu_decode", "gpu_concurrent", "engine_tests_float32", "engine_tests_bfloat16",
@@ -75,14 +75,14 @@ def test_gpu_check_runs_from_a_copied_tree_without_the_package(tmp_path: Path) -
     assert concurrent["ended"] == "finished" and concurrent["concurrent"]
     (entry,) = concurrent["models"].values()
     assert [(c["size"], c["batch"]) for c in entry["cells"]] == [(160, 1), (160, 2)]
-    for cell in entry["cells"]:
-        for method in ("full", "snapkv", "full_compiled", "snapkv_compiled"):
+    for cell in entry["cells"]:  # tiny: eager only (the grid above ran the graph step's code)
+        for method in ("full", "snapkv"):
             c = cell[method]
             assert c["status"] == "ok" and c["batch_seen"] == cell["batch"], (method, cell)
             assert c["tokens_per_s"] == pytest.approx(cell["batch"] * 1000 / c["decode_ms_per_token"])
             assert c["floor_ms_per_token"] > 0 and c["tokens_per_s_vs_one_request"] > 0
-        assert cell["ceiling_compiled"] == pytest.approx(
-            cell["full_compiled"]["floor_ms_per_token"] / cell["snapkv_compiled"]["floor_ms_per_token"])
+        assert cell["ceiling"] == pytest.approx(cell["full"]["floor_ms_per_token"] / cell["snapkv"]["floor_ms_per_token"])
+        assert "full_compiled" not in cell
     report = json.loads((out / "gpu_decode.json").read_text())
     assert report["ended"] == "finished" and report["copy_bandwidth_bytes_per_s"] > 0
     (entry,) = report["models"].values()
