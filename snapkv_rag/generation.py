@@ -25,36 +25,7 @@ import torch
 
 from . import attention, structured
 from .cache import KVCache, layer_specs
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """How tokens are picked: ``temperature`` 0 is greedy; ``top_p`` nucleus; ``seed`` for sampling;
-    ``ignore_eos`` decodes exactly ``max_new_tokens`` tokens (for benchmarks, as vLLM's option)."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens: must be a positive integer, got {self.max_new_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature: must be a number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise TypeError(f"seed: expected an int, got {type(self.seed).__name__}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos: expected True or False, got {self.ignore_eos!r}")
-
-    def generator(self) -> torch.Generator | None:
-        """The random generator of a sampled request (its ``seed``, or the clock), ``None`` if greedy."""
-        if self.temperature == 0:
-            return None
-        return torch.Generator().manual_seed(self.seed if self.seed is not None else time.time_ns() % 2**62)
+from .sampling import SamplingOptions
 
 
 @dataclass(frozen=True)
