@@ -12,7 +12,8 @@ Examples (from the repository root)::
     python -m evals --measure-sharing 3           # shared prefill vs separate generate() calls
     python -m evals --data my_qa.jsonl --methods snapkv,streaming   # your own questions and documents
     python -m evals --datasets needle,lines --num-docs needle=1000,4000 --num-docs lines=50,200
-    python -m evals --full --ray auto             # the same grid on the Ray cluster this machine is in
+    python -m evals --full --ray                  # the same grid on Ray actors started on this machine
+    python -m evals --full --ray auto             # ... on the running Ray cluster this machine is in
 """
 
 from __future__ import annotations

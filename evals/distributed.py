@@ -74,7 +74,10 @@ class RayPool:
                 ray.init(num_cpus=max(cpus, workers or 0), include_dashboard=False, runtime_env=runtime_env,
                          object_store_memory=256 * 2**20, log_to_driver=False)
             else:
-                ray.init(address=address, runtime_env=runtime_env)
+                try:
+                    ray.init(address=address, runtime_env=runtime_env)
+                except ConnectionError:  # Ray's own message is a 25-line traceback from inside ray.init
+                    raise SystemExit(no_cluster(address)) from None
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0)) if device is None or device.startswith("cuda") else 0
         count = workers or gpus or int(resources.get("CPU", 1))
@@ -195,6 +198,13 @@ class RayPool:
                     on_result(received)
         bar.close()
         return path
+
+
+def no_cluster(address: str) -> str:
+    """The one line for ``--ray auto`` / ``--ray ADDRESS`` when there is no cluster to join there."""
+    where = "running on this machine (or at RAY_ADDRESS)" if address == "auto" else f"at {address}"
+    return (f"--ray {address}: found no Ray cluster {where}; use bare --ray to start Ray here, or start one "
+            "with `ray start --head` and pass --ray auto (or its address, HEAD:6379 / ray://HEAD:10001)")
 
 
 def connect(address: str, workers: int | None, make_engine: Callable[[], Any], instruction: str,

@@ -10,12 +10,18 @@ from snapkv_rag.loading import default_model_dir
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 
-def build_tiny_engine(**options) -> SnapKVLLM:
+def tiny_model_and_tokenizer() -> tuple[LlamaForCausalLM, object]:
+    """A fresh tiny random-weight Llama (seeded) and the embedded model's tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     torch.manual_seed(0)
-    return SnapKVLLM(model=LlamaForCausalLM(config), tokenizer=tokenizer, **options)
+    return LlamaForCausalLM(config), tokenizer
+
+
+def build_tiny_engine(**options) -> SnapKVLLM:
+    model, tokenizer = tiny_model_and_tokenizer()
+    return SnapKVLLM(model=model, tokenizer=tokenizer, **options)
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +32,9 @@ def tiny_engine() -> SnapKVLLM:
 @pytest.fixture(scope="session")
 def real_engine() -> SnapKVLLM:
     return SnapKVLLM(max_new_tokens=24)
+
+
+@pytest.fixture()
+def tiny_parts() -> tuple[LlamaForCausalLM, object]:
+    """A model and tokenizer of this test's own, for adapters that load their engine from them."""
+    return tiny_model_and_tokenizer()

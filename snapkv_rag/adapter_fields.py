@@ -3,16 +3,22 @@ LlamaIndex models are pydantic models). Imported by the integrations only, which
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from .adapters import LOADING_DEFAULTS, engine_from
+from .adapters import LOADING_DEFAULTS, Lease, engine_from
 
 
 class EngineSpec(BaseModel):
     """The engine's own parameters, or an existing ``engine`` to share one loaded model, plus the
-    sampling options every call inherits (a call's own value wins; ``None``: the engine's default)."""
+    sampling options every call inherits (a call's own value wins; ``None``: the engine's default).
+
+    Adapters that give the same loading parameters share one loaded engine (LangChain and LlamaIndex
+    ones alike), so a second instance of a model is instant; each call sends its own instance's
+    options. :meth:`close`, or the last holder being garbage-collected, releases it (see
+    :class:`snapkv_rag.adapters.Lease`). An ``engine=`` given is the caller's to close."""
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
 
@@ -37,7 +43,17 @@ class EngineSpec(BaseModel):
     seed: int | None = None
     stop: list[str] | None = None
 
+    _lease: Lease | None = PrivateAttr(default=None)
+
     @model_validator(mode="after")
     def _attach_engine(self):
-        self.engine = engine_from(self.engine, self.snapkv, **{name: getattr(self, name) for name in LOADING_DEFAULTS})
+        self.engine, self._lease = engine_from(self.engine, **{name: getattr(self, name) for name in LOADING_DEFAULTS})
+        if self._lease is not None:
+            weakref.finalize(self, self._lease.release)
         return self
+
+    def close(self) -> None:
+        """Release the shared engine now (closed at once if no other adapter holds it); the instance
+        is not to be used afterwards. An ``engine=`` given is left to its owner."""
+        if self._lease is not None:
+            self._lease.release(now=True)

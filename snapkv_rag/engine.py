@@ -286,6 +286,9 @@ class SnapKVLLM:
             temperature=options.get("temperature") or 0.0,
             top_p=1.0 if options.get("top_p") is None else options["top_p"], seed=options.get("seed"),
             ignore_eos=options.get("ignore_eos", False))
+        for request in requests:
+            if request.constraint is not None:  # its last tokens close the JSON
+                request.constraint.budget = sampling.max_new_tokens
         stop = options.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         if not all(isinstance(s, str) for s in stop):

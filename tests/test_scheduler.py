@@ -84,46 +84,48 @@ async def test_asyncio_callers_batch_on_one_event_loop(batched):
 
 def test_max_batch_bounds_the_running_batch_and_the_rest_wait_in_order(tiny_model, tokenizer):
     llm = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, max_new_tokens=6, max_batch=2)
-    try:
-        seen = []
-        sampler = threading.Event()
+    seen = []
 
-        def watch():
-            while not sampler.is_set():
-                stats = llm.stats()
-                seen.append((stats.running, stats.queued))
+    def record(*_):  # at every forward pass: what runs and what waits, on a fast machine or a slow one
+        if not seen:  # the first prefill waits for the other five requests to queue behind it
+            deadline = time.monotonic() + 60
+            while llm.stats().queued < 5 and time.monotonic() < deadline:
                 time.sleep(0.001)
+        stats = llm.stats()
+        seen.append((stats.running, stats.queued))
 
-        watcher = threading.Thread(target=watch)
-        watcher.start()
+    hook = tiny_model.register_forward_pre_hook(record)
+    try:
         with ThreadPoolExecutor(6) as pool:
             results = list(pool.map(lambda a: alone(llm, a), workload()[:6]))
-        sampler.set()
-        watcher.join()
         assert max(r for r, _ in seen) == 2 and max(q for _, q in seen) >= 1
         assert all(r.timings.batch_size <= 2 for r in results)
         assert llm.stats().finished == 6 and llm.stats().running == 0
     finally:
+        hook.remove()
         llm.close()
 
 
 def test_a_stream_closed_early_frees_its_batch_slot(batched):
+    """Both streams ask for more tokens than any machine decodes in the seconds this test takes, so
+    each is still running until it is closed, however fast the machine is."""
     docs = filler_documents(4)
-    stream = batched.stream("What lies north?", docs, max_new_tokens=200, ignore_eos=True)
-    next(stream)
-    other = threading.Thread(target=lambda: batched.generate("Which river?", docs, max_new_tokens=40,
-                                                             ignore_eos=True))
-    other.start()
-    deadline = time.time() + 30
-    while batched.stats().running < 2 and time.time() < deadline:
+    first = batched.stream("What lies north?", docs, max_new_tokens=6000, ignore_eos=True)
+    next(first)
+    second = batched.stream("Which river?", docs, max_new_tokens=6000, ignore_eos=True)
+    next(second)
+    deadline = time.monotonic() + 30
+    while batched.stats().running < 2 and time.monotonic() < deadline:  # its row joins after its first token
         time.sleep(0.005)
     assert batched.stats().running == 2
-    stream.close()
-    while batched.stats().running > 1 and time.time() < deadline:
+    first.close()
+    while batched.stats().running > 1 and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert batched.stats().running <= 1  # the closed stream left; the other request goes on
-    other.join()
-    assert batched.stats().finished >= 1
+    assert batched.stats().running == 1  # the closed stream left; the other goes on
+    second.close()
+    while batched.stats().running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert batched.stats().running == 0
 
 
 def test_max_batch_is_checked(tiny_model, tokenizer):

@@ -168,7 +168,7 @@ def test_a_full_queue_gets_429_and_a_disconnected_stream_stops_generating(tiny_e
     calls, hook = _count_forwards(tiny_engine.model)
     try:
         with running_server(tiny_engine, max_batch=1, max_queue=0) as (url, app):
-            body = {"model": "tiny", "messages": ASK, "max_tokens": 4000, "stream": True}
+            body = {"model": "tiny", "messages": ASK, "max_tokens": 4000, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", url + CHAT, json=body, timeout=60) as reply:
                 events = sse_events(reply)
                 pieces = [next(events) for _ in range(6)]

@@ -11,7 +11,7 @@ import torch
 
 from snapkv_rag import SchemaError, SnapKVConfig, StreamingLLMConfig, cited
 from snapkv_rag.generation import Batch, SamplingOptions, prefill
-from snapkv_rag.structured import apply_masks, compile_format
+from snapkv_rag.structured import apply_masks, closing_path, compile_format
 from snapkv_rag.text import decode_text
 
 from snapkv_testing import filler_documents
@@ -183,3 +183,33 @@ def test_cited_answer_fields_come_from_the_json(tokenizer):
     assert result.raw_text.startswith('{"answer"')
     cut = _result_after(tokenizer, '{"answer": "Par\\u00eds is', 3, end=False)
     assert (cut.text, cut.citations, cut.parsed, cut.finish_reason) == ("París is", [], None, "length")
+
+
+# unbounded strings: random weights, left alone, wander inside the first one until max_new_tokens
+UNBOUNDED = {"type": "object", "properties": {"setup": {"type": "string"}, "punchline": {"type": "string"},
+                                              "rating": {"type": "integer"}},
+             "required": ["setup", "punchline"]}
+
+
+def test_closing_path_is_the_cheapest_way_to_complete_the_json(tokenizer):
+    fmt = compile_format(tokenizer, UNBOUNDED, len(tokenizer), [2])
+    constraint = fmt.new_constraint(budget=100)
+    for token in tokenizer('{"setup": "Why did the', add_special_tokens=False).input_ids:
+        constraint.accept(token)
+    assert constraint.accepted == len(tokenizer('{"setup": "Why did the', add_special_tokens=False).input_ids)
+    assert closing_path(constraint.matcher) == b'", "punchline": ""}'
+    assert constraint.closing_tokens() is None  # room left: the model writes on
+    assert constraint.fresh().budget == 100 and constraint.fresh().accepted == 0
+
+
+def test_an_unbounded_string_is_closed_before_the_budget_ends_and_parses(tiny_engine):
+    for budget in (24, 40):
+        result = tiny_engine.generate("Tell me a joke.", response_format=UNBOUNDED, max_new_tokens=budget)
+        assert result.finish_reason == "stop" and result.usage.completion_tokens <= budget
+        jsonschema.validate(result.parsed, UNBOUNDED)
+    # the same request compared across methods: each decode closes within the budget
+    comparison = tiny_engine.compare("Tell me a joke.", filler_documents(4), response_format=UNBOUNDED,
+                                     max_new_tokens=24, methods={"full": None, "snapkv": SnapKVConfig(
+                                         max_capacity_prompt=64, window_size=8)})
+    for result in comparison.results.values():
+        assert result.finish_reason == "stop" and result.parsed is not None

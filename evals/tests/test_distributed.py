@@ -106,3 +106,18 @@ def test_ray_is_imported_only_with_the_ray_option(tmp_path):
 def test_bad_ray_options_are_clear(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
         main([*argv, "--out", str(tmp_path)])
+
+
+def test_ray_auto_without_a_cluster_says_so_in_one_line(tmp_path):
+    """No cluster to join (an empty Ray temp folder hides any cluster this machine runs): one line
+    naming the problem and both ways out, no traceback, a failing exit status."""
+    pytest.importorskip("ray")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "evals", *ARGS, "--ray", "auto", "--out", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**env, "RAY_TMPDIR": str(tmp_path / "ray"), "PYTHONPATH": str(ROOT)})
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("--ray auto: found no Ray cluster"), done.stderr[-2000:]
+    assert "bare --ray to start Ray here" in last and "ray start --head" in last

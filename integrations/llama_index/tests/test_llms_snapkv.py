@@ -42,23 +42,19 @@ def test_complete_chat_and_streams_agree(llm):
     assert last.message.content == text and last.additional_kwargs["usage"]["completion_tokens"] > 0
 
 
-async def test_async_forms_do_not_block_the_loop(llm):
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.005)
-            ticks += 1
-
-    task = asyncio.create_task(ticker())
-    text = (await llm.acomplete("Hello")).text
-    streamed = [r async for r in await llm.astream_complete("Hello")][-1].text
-    chat = (await llm.achat([ChatMessage(role=MessageRole.USER, content="Hello")])).message.content
-    chat_stream = [r async for r in await llm.astream_chat([ChatMessage(role=MessageRole.USER, content="Hello")])]
-    task.cancel()
+async def test_async_forms_do_not_block_the_loop(llm, loop_watch):
+    hello = [ChatMessage(role=MessageRole.USER, content="Hello")]
+    watches = [loop_watch(llm.engine.model) for _ in range(4)]
+    async with watches[0]:
+        text = (await llm.acomplete("Hello")).text
+    async with watches[1]:
+        streamed = [r async for r in await llm.astream_complete("Hello")][-1].text
+    async with watches[2]:
+        chat = (await llm.achat(hello)).message.content
+    async with watches[3]:
+        chat_stream = [r async for r in await llm.astream_chat(hello)]
     assert text == streamed == chat == chat_stream[-1].message.content
-    assert ticks > 5
+    assert all(watch.loop_ran_during_forward for watch in watches)
 
 
 def test_citation_prompt_is_split_into_sources():

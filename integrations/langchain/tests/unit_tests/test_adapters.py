@@ -114,21 +114,13 @@ def test_engine_and_loading_parameters_clash(tiny_engine):
         ChatSnapKV(engine="not an engine")
 
 
-async def test_async_does_not_block_the_loop(chat):
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.005)
-            ticks += 1
-
-    task = asyncio.create_task(ticker())
-    answer = await chat.ainvoke("Hello")
-    pieces = [c.content async for c in chat.astream("Hello")]
-    task.cancel()
+async def test_async_does_not_block_the_loop(chat, loop_watch):
+    async with loop_watch(chat.engine.model) as invoked:
+        answer = await chat.ainvoke("Hello")
+    async with loop_watch(chat.engine.model) as streamed:
+        pieces = [c.content async for c in chat.astream("Hello")]
     assert "".join(pieces) == answer.content == chat.invoke("Hello").content
-    assert ticks > 5
+    assert invoked.loop_ran_during_forward and streamed.loop_ran_during_forward
 
 
 def test_text_completion_llm(tiny_engine):

@@ -1,0 +1,51 @@
+"""What every test folder shares: a check that an event loop keeps running while a model computes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+
+class LoopWatch:
+    """Whether the event loop ran while the model was in the middle of a forward pass, decided by
+    events rather than by counting ticks against the clock: the model's first forward (on whichever
+    thread runs it) waits until the loop has ticked after that forward began. A loop blocked by the
+    call cannot tick then, so the wait gives up after ``patience`` s; an unblocked loop ticks within
+    a millisecond or so, on a fast machine or a slow one."""
+
+    def __init__(self, model, patience: float = 30.0):
+        self.model, self.patience = model, patience
+        self.began, self.ticked = threading.Event(), threading.Event()
+        self.waits: list[bool] = []
+
+    def _hook(self, *_):
+        if not self.waits:
+            self.began.set()
+            self.waits.append(self.ticked.wait(self.patience))
+
+    async def _tick(self):
+        while True:
+            if self.began.is_set():
+                self.ticked.set()
+            await asyncio.sleep(0.001)
+
+    async def __aenter__(self) -> LoopWatch:
+        self._handle = self.model.register_forward_pre_hook(self._hook)
+        self._task = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        self._handle.remove()
+
+    @property
+    def loop_ran_during_forward(self) -> bool:
+        return self.waits == [True]
+
+
+@pytest.fixture
+def loop_watch():
+    """``async with loop_watch(model) as watch: ...``, then ``assert watch.loop_ran_during_forward``."""
+    return LoopWatch
