@@ -16,11 +16,12 @@ selection does not depend on where a row's tokens sit in a padded batch.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .config import H2OConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
+from .config import DocSnapKVConfig, H2OConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
 
 NEG_INF = float("-inf")
 
@@ -143,6 +144,89 @@ def snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, value_st
     return keep_top(pooled, key_states, value_states, capacity, window, attention_mask)
 
 
+def share_budget(mass: Sequence[float], lengths: Sequence[int], total: int) -> list[int]:
+    """``total`` tokens shared out in proportion to ``mass``, no share above its ``lengths``: a
+    share that would pass its length is capped and the rest goes round the others again; the
+    fractions left are given by largest remainder (the earlier first on ties). The shares add up to
+    ``min(total, sum(lengths))``; a zero mass gets nothing while another can still take tokens, and
+    tokens no positive mass can take go to the zero-mass ones by length."""
+    shares = [0] * len(lengths)
+    left = min(total, sum(lengths))
+    open_ = [i for i, n in enumerate(lengths) if n > 0]
+    while left > 0 and open_:
+        weights = {i: max(float(mass[i]), 0.0) for i in open_}
+        if sum(weights.values()) <= 0:
+            weights = {i: float(lengths[i] - shares[i]) for i in open_}
+        norm = sum(weights.values())
+        ideal = {i: left * w / norm for i, w in weights.items()}
+        full = [i for i in open_ if ideal[i] >= lengths[i] - shares[i]]
+        if full:  # capped documents take all they have; the others share what is left, again
+            for i in full:
+                left -= lengths[i] - shares[i]
+                shares[i] = lengths[i]
+            open_ = [i for i in open_ if i not in full]
+            continue
+        floors = {i: int(ideal[i]) for i in open_}
+        extra = left - sum(floors.values())
+        for i in sorted(open_, key=lambda i: (-(ideal[i] - floors[i]), i))[:extra]:
+            floors[i] += 1
+        for i in open_:
+            shares[i] += floors[i]
+        left = 0
+    return shares
+
+
+def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                      config: DocSnapKVConfig, attention_mask: torch.Tensor | None = None, *,
+                      capacity: int | None = None, shared: bool = False, **scoring
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Document-aware SnapKV (:class:`DocSnapKVConfig`): returns ``(keys, values, kept_positions)``.
+
+    ``query`` is ``[B, H, L, D]`` (all prompt queries; the voters are taken from its end). Every
+    position outside the documents is kept (window included); the budget left is shared between
+    the documents by their vote mass (mean over heads, :func:`share_budget`) and each head keeps
+    its best positions inside each share, votes pooled within the document. The spans apply to
+    every row (one prompt's layout; the engine prefills one request at a time). Without spans, or
+    when the positions outside the documents alone fill the budget, this is :func:`snapkv_select`.
+    """
+    capacity = config.max_capacity_prompt if capacity is None else capacity
+    b, _, length, _ = key_states.shape
+    spans = [] if config.spans is None else config.spans.in_slice(length)
+    question = 0 if config.spans is None else min(-config.spans.question, length)
+    voters = question if config.votes == "question" and spans else min(config.window_size, query.shape[-2])
+    in_doc = torch.zeros(length, dtype=torch.bool, device=key_states.device)
+    for start, stop in spans:
+        in_doc[start:stop] = True
+    in_doc[length - min(config.window_size, length):] = False  # the observation window is always kept
+    real = (torch.ones(b, length, dtype=torch.bool, device=key_states.device) if attention_mask is None
+            else attention_mask.to(device=key_states.device, dtype=torch.bool))
+    fixed = real & ~in_doc
+    if not spans or length <= capacity or int(fixed.sum(-1).max()) >= capacity:
+        return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
+                             capacity=capacity, shared=shared, **scoring)
+    votes = snapkv_votes(query[..., -voters:, :], key_states, attention_mask, **scoring)  # [B, H_kv, L]
+    if shared:
+        votes, key_states, value_states = votes.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
+    heads = votes.shape[1]
+    rows = []
+    for row in range(b):
+        pieces = [torch.nonzero(fixed[row]).flatten().expand(heads, -1)]
+        mass = [float(votes[row, :, start:stop].sum(-1).mean()) for start, stop in spans]
+        shares = share_budget(mass, [stop - start for start, stop in spans], capacity - pieces[0].shape[-1])
+        for (start, stop), share in zip(spans, shares):
+            if share:
+                pooled = pool_votes(votes[row:row + 1, :, start:stop], config.kernel_size, config.pooling)[0]
+                pieces.append(best_positions(pooled, share) + start)
+        kept = torch.cat(pieces, dim=-1)
+        short = capacity - kept.shape[-1]  # a padded row shorter than the budget: pads fill its slots
+        if short > 0:
+            pads = torch.nonzero(~real[row]).flatten()[:short]
+            kept = torch.cat([kept, pads.expand(heads, -1)], dim=-1)
+        rows.append(kept.sort(dim=-1).values)
+    kept = torch.stack(rows)
+    return gather_positions(key_states, kept), gather_positions(value_states, kept), kept
+
+
 def streaming_select(key_states: torch.Tensor, value_states: torch.Tensor, config: StreamingLLMConfig,
                      attention_mask: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -197,6 +281,9 @@ def select(config, query: torch.Tensor, key_states: torch.Tensor, value_states: 
     ``shared``: one selection for all heads (see :func:`snapkv_select`)."""
     if shared and not isinstance(config, (SnapKVConfig, H2OConfig)):  # positions only: any head will do
         key_states, value_states = key_states[:, :1], value_states[:, :1]
+    if isinstance(config, DocSnapKVConfig):
+        return doc_snapkv_select(query, key_states, value_states, config, attention_mask,
+                                 capacity=config.budget_for_layer(layer_idx, num_layers), shared=shared, **scoring)
     if isinstance(config, SnapKVConfig):  # PyramidKVConfig included: only the budget differs
         capacity = config.budget_for_layer(layer_idx, num_layers)
         return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
@@ -208,4 +295,4 @@ def select(config, query: torch.Tensor, key_states: torch.Tensor, value_states: 
     if isinstance(config, RandomConfig):
         return random_select(key_states, value_states, config, attention_mask, layer_idx=layer_idx)
     raise TypeError(f"snapkv: expected a compression config (SnapKVConfig, StreamingLLMConfig, H2OConfig, "
-                    f"RandomConfig, PyramidKVConfig), got {type(config).__name__}")
+                    f"RandomConfig, PyramidKVConfig, DocSnapKVConfig), got {type(config).__name__}")
