@@ -176,6 +176,21 @@ def share_budget(mass: Sequence[float], lengths: Sequence[int], total: int) -> l
     return shares
 
 
+def pool_within(votes: torch.Tensor, doc_of: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """:func:`pool_votes` inside each document only: ``votes`` ``[B, H, n]`` are the documents'
+    tokens one after another, ``doc_of`` ``[n]`` (ascending) the document of each. The documents
+    are laid out with ``kernel_size // 2`` pads between them (what the pooling pads the ends with:
+    ``-inf`` for max, 0 for avg), pooled in one call, and read back."""
+    pad = kernel_size // 2
+    if pad == 0:
+        return votes
+    slots = torch.arange(votes.shape[-1], device=votes.device) + doc_of * pad
+    gapped = votes.new_full((*votes.shape[:-1], votes.shape[-1] + pad * int(doc_of[-1])),
+                            NEG_INF if pooling == "max" else 0.0)
+    gapped[..., slots] = votes
+    return pool_votes(gapped, kernel_size, pooling)[..., slots]
+
+
 def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                       config: DocSnapKVConfig, attention_mask: torch.Tensor | None = None, *,
                       capacity: int | None = None, shared: bool = False, **scoring
@@ -194,12 +209,15 @@ def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_state
     spans = [] if config.spans is None else config.spans.in_slice(length)
     question = 0 if config.spans is None else min(-config.spans.question, length)
     voters = question if config.votes == "question" and spans else min(config.window_size, query.shape[-2])
-    in_doc = torch.zeros(length, dtype=torch.bool, device=key_states.device)
-    for start, stop in spans:
-        in_doc[start:stop] = True
+    device = key_states.device
+    positions = torch.tensor([p for start, stop in spans for p in range(start, stop)], dtype=torch.long, device=device)
+    doc_of = torch.tensor([d for d, (start, stop) in enumerate(spans) for _ in range(start, stop)], dtype=torch.long,
+                          device=device)
+    in_doc = torch.zeros(length, dtype=torch.bool, device=device)
+    in_doc[positions] = True
     in_doc[length - min(config.window_size, length):] = False  # the observation window is always kept
-    real = (torch.ones(b, length, dtype=torch.bool, device=key_states.device) if attention_mask is None
-            else attention_mask.to(device=key_states.device, dtype=torch.bool))
+    real = (torch.ones(b, length, dtype=torch.bool, device=device) if attention_mask is None
+            else attention_mask.to(device=device, dtype=torch.bool))
     fixed = real & ~in_doc
     if not spans or length <= capacity or int(fixed.sum(-1).max()) >= capacity:
         return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
@@ -208,16 +226,20 @@ def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_state
     if shared:
         votes, key_states, value_states = votes.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
     heads = votes.shape[1]
+    pooled = pool_within(votes[..., positions], doc_of, config.kernel_size, config.pooling)
+    # each document's tokens in (score desc, position asc) order, the documents one after another
+    order = best_positions(pooled, pooled.shape[-1])
+    order = order.gather(-1, doc_of[order].argsort(dim=-1, stable=True))
+    rank = torch.arange(len(doc_of), device=device) - torch.tensor(
+        [0] + [stop - start for start, stop in spans[:-1]], device=device).cumsum(0)[doc_of]
     rows = []
     for row in range(b):
-        pieces = [torch.nonzero(fixed[row]).flatten().expand(heads, -1)]
-        mass = [float(votes[row, :, start:stop].sum(-1).mean()) for start, stop in spans]
-        shares = share_budget(mass, [stop - start for start, stop in spans], capacity - pieces[0].shape[-1])
-        for (start, stop), share in zip(spans, shares):
-            if share:
-                pooled = pool_votes(votes[row:row + 1, :, start:stop], config.kernel_size, config.pooling)[0]
-                pieces.append(best_positions(pooled, share) + start)
-        kept = torch.cat(pieces, dim=-1)
+        outside = torch.nonzero(fixed[row]).flatten().expand(heads, -1)
+        mass = torch.zeros(len(spans), device=device).index_add_(0, doc_of, votes[row][:, positions].mean(0))
+        shares = share_budget(mass.tolist(), [stop - start for start, stop in spans], capacity - outside.shape[-1])
+        chosen = rank < torch.tensor(shares, device=device)[doc_of]  # the first `share` of each document
+        picked = positions[order[row][:, chosen]]
+        kept = torch.cat([outside, picked], dim=-1)
         short = capacity - kept.shape[-1]  # a padded row shorter than the budget: pads fill its slots
         if short > 0:
             pads = torch.nonzero(~real[row]).flatten()[:short]
