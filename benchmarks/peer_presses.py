@@ -37,7 +37,6 @@ from evals.metrics import answer_scores, fidelity_scores  # noqa: E402
 from evals.report import bootstrap_ci  # noqa: E402
 
 PRESSES = ("snapkv", "adakv", "criticaladakv", "finch", "chunkkv", "tova")
-OURS = ("snapkv", "snapkv_avg", "docsnapkv", "docsnapkv_q")
 BASELINE = "ours:snapkv"
 GRID_QUESTIONS = 100  # evals/results/methods: --num-questions 100, seed 0
 METRICS = ("identical_to_full", "f1_vs_full", "f1")
@@ -59,8 +58,7 @@ def our_configs(budget: int) -> dict:
 
     return {"snapkv": SnapKVConfig(max_capacity_prompt=budget),
             "snapkv_avg": SnapKVConfig(max_capacity_prompt=budget, pooling="avg"),
-            "docsnapkv": DocSnapKVConfig(max_capacity_prompt=budget),
-            "docsnapkv_q": DocSnapKVConfig(max_capacity_prompt=budget, votes="question")}
+            "docsnapkv": DocSnapKVConfig(max_capacity_prompt=budget)}
 
 
 def first_line(text: str) -> str:

@@ -12,14 +12,12 @@ above it, with a warning in the row's ``budget_note``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Sequence
 
 from snapkv_rag import DocSnapKVConfig, H2OConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
 
 KINDS = {"snapkv": SnapKVConfig, "pyramidkv": PyramidKVConfig, "streaming": StreamingLLMConfig,
-         "h2o": H2OConfig, "random": RandomConfig, "docsnapkv": DocSnapKVConfig,
-         "docsnapkv_q": partial(DocSnapKVConfig, votes="question")}
+         "h2o": H2OConfig, "random": RandomConfig, "docsnapkv": DocSnapKVConfig}
 WINDOW = 32  # SnapKV's observation window and the recent window of H2O / random (the engine defaults)
 
 

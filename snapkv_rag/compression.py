@@ -207,8 +207,6 @@ def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_state
     capacity = config.max_capacity_prompt if capacity is None else capacity
     b, _, length, _ = key_states.shape
     spans = [] if config.spans is None else config.spans.in_slice(length)
-    question = 0 if config.spans is None else min(-config.spans.question, length)
-    voters = question if config.votes == "question" and spans else min(config.window_size, query.shape[-2])
     device = key_states.device
     positions = torch.tensor([p for start, stop in spans for p in range(start, stop)], dtype=torch.long, device=device)
     doc_of = torch.tensor([d for d, (start, stop) in enumerate(spans) for _ in range(start, stop)], dtype=torch.long,
@@ -222,7 +220,8 @@ def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_state
     if not spans or length <= capacity or int(fixed.sum(-1).max()) >= capacity:
         return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
                              capacity=capacity, shared=shared, **scoring)
-    votes = snapkv_votes(query[..., -voters:, :], key_states, attention_mask, **scoring)  # [B, H_kv, L]
+    window = min(config.window_size, query.shape[-2])
+    votes = snapkv_votes(query[..., -window:, :], key_states, attention_mask, **scoring)  # [B, H_kv, L]
     if shared:
         votes, key_states, value_states = votes.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
     heads = votes.shape[1]

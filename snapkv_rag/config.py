@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, replace
 
 _POOLINGS = ("max", "avg")
-_VOTERS = ("window", "question")
 DEFAULT_BUDGET = 1024
 
 
@@ -155,20 +154,14 @@ class DocSnapKVConfig(SnapKVConfig):
     tokens, pooled within the document only (a cluster never spills into the next one). ``spans``
     is bound per request by the engine (:meth:`with_spans`); without spans (no documents, or a
     prompt built by hand) this is plain SnapKV with the same settings.
-
-    ``votes``: who votes. ``"window"``: the last ``window_size`` prompt queries, as in SnapKV;
-    ``"question"``: the queries from the question's first token to the end (the instruction before
-    it does not vote; with no spans the window votes).
     """
 
     spans: PromptSpans | None = None
-    votes: str = "window"
 
     method = "docsnapkv"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(self.votes in _VOTERS, "votes", f"must be one of {_VOTERS}, got {self.votes!r}")
         _require(self.spans is None or isinstance(self.spans, PromptSpans), "spans",
                  f"must be a PromptSpans or None, got {type(self.spans).__name__}")
 

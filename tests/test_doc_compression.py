@@ -73,12 +73,11 @@ def test_shares_follow_the_vote_mass_and_add_up_to_the_budget(mass, lengths, tot
     assert share_budget(mass, lengths, total) == shares
 
 
-@pytest.mark.parametrize("votes", ["window", "question"])
-def test_without_spans_it_is_plain_snapkv(votes):
+def test_without_spans_it_is_plain_snapkv():
     g = seeded(3)
     q, k, v = torch.randn(2, 4, 8, DIM, generator=g), torch.randn(2, 2, LENGTH, DIM, generator=g), \
         torch.randn(2, 2, LENGTH, DIM, generator=g)
-    doc = DocSnapKVConfig(max_capacity_prompt=20, window_size=8, votes=votes)
+    doc = DocSnapKVConfig(max_capacity_prompt=20, window_size=8)
     plain = SnapKVConfig(max_capacity_prompt=20, window_size=8)
     ours, reference = select(doc, q, k, v, None, 0, 2), select(plain, q, k, v, None, 0, 2)
     assert all(torch.equal(a, b) for a, b in zip(ours, reference))
@@ -93,22 +92,7 @@ def test_spans_count_from_the_end_so_a_later_slice_maps_them():
     assert set(kept[0, 0].tolist()) >= {14, 15, 16, 17}  # position 20 of the prompt is 14 of the slice
 
 
-def test_the_question_votes_come_from_the_question_on():
-    u, w = torch.eye(DIM)[0], torch.eye(DIM)[1]
-    k = torch.zeros(1, 2, LENGTH, DIM)
-    k[..., 10, :], k[..., 25, :] = 30 * u, 30 * w
-    q = torch.cat([3 * u.expand(1, 2, 4, DIM), w.expand(1, 2, 8, DIM)], dim=2)  # 36..39 look at 10; 40.. at 25
-    v = torch.randn(1, 2, LENGTH, DIM, generator=seeded(1))
-    window_kept = doc_snapkv_select(q, k, v, config(20, window_size=12))[2]
-    question_kept = doc_snapkv_select(q, k, v, config(20, window_size=12, votes="question"))[2]
-    assert set(window_kept[0, 0].tolist()) & set(range(4, 20))  # the instruction's queries vote for 10
-    assert not set(question_kept[0, 0].tolist()) & set(range(4, 20))  # the question's do not
-    assert 25 in question_kept[0, 0].tolist()
-
-
 def test_bad_settings_are_refused_by_name():
-    with pytest.raises(ValueError, match="votes"):
-        DocSnapKVConfig(votes="everyone")
     with pytest.raises(ValueError, match="spans"):
         PromptSpans(documents=((-5, -8),), question=-2)
     with pytest.raises(ValueError, match="spans"):

@@ -206,8 +206,7 @@ def test_compare_equals_generate_for_every_method(family):
     methods = {"full": None, "snapkv": BUDGET, "pyramid": PyramidKVConfig(max_capacity_prompt=64, window_size=8),
                "streaming": StreamingLLMConfig(max_capacity_prompt=64), "h2o": H2OConfig(max_capacity_prompt=64, recent_size=8),
                "random": RandomConfig(max_capacity_prompt=64, recent_size=8),
-               "docsnapkv": DocSnapKVConfig(max_capacity_prompt=128, window_size=8),
-               "docsnapkv-question": DocSnapKVConfig(max_capacity_prompt=128, window_size=8, votes="question")}
+               "docsnapkv": DocSnapKVConfig(max_capacity_prompt=128, window_size=8)}
     docs = filler_documents(4)
     both = llm.compare(QUESTION, docs, methods=methods, max_new_tokens=10)
     for name, config in methods.items():

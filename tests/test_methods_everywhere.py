@@ -42,7 +42,7 @@ def test_the_server_takes_the_method_in_its_snapkv_field(tiny_engine):
             "max_tokens": 3}
     with running_server(tiny_engine) as (url, _):
         good = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-            **body, "snapkv": {"method": "docsnapkv", "budget": 128, "window_size": 8, "votes": "question"}})
+            **body, "snapkv": {"method": "docsnapkv", "budget": 128, "window_size": 8}})
         bad = httpx.post(url + "/v1/chat/completions", timeout=60, json={**body, "snapkv": {"method": "tova"}})
     assert good.status_code == 200, good.text
     assert good.json()["snapkv"]["compression"]["method"] == "docsnapkv"
@@ -55,7 +55,6 @@ def test_the_cli_method_flag_and_the_evals_specs():
     assert _config(args) == DocSnapKVConfig(ratio=0.25)
     assert type(_config(build_parser().parse_args(["ask", "q?", "--docs", "a.txt"]))) is SnapKVConfig
     assert parse_spec("docsnapkv@25%").config(400) == DocSnapKVConfig(max_capacity_prompt=400)
-    assert parse_spec("docsnapkv_q@300").config(300).votes == "question"
 
 
 def test_langchain_and_llamaindex_take_it_per_call(tiny_engine):
@@ -75,9 +74,3 @@ def test_langchain_and_llamaindex_take_it_per_call(tiny_engine):
     assert response.additional_kwargs["compression"]["method"] == "docsnapkv"  # no documents: SnapKV's selection
 
 
-@pytest.mark.parametrize("bad", [{"method": "docsnapkv", "votes": "all"}, {"votes": "question"}])
-def test_bad_method_settings_are_named(tiny_engine, bad):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2, "snapkv": bad}
-    with running_server(tiny_engine) as (url, _):
-        reply = httpx.post(url + "/v1/chat/completions", timeout=60, json=body)
-    assert reply.status_code == 400 and "votes" in reply.json()["error"]["message"]

@@ -12,7 +12,7 @@ from typing import Any
 from ..config import DocSnapKVConfig, SnapKVConfig
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-SNAPKV_FIELDS = ("method", "max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling", "votes")
+SNAPKV_FIELDS = ("method", "max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling")
 METHODS = {"snapkv": SnapKVConfig, "docsnapkv": DocSnapKVConfig}
 # OpenAI parameters this server cannot honour: refused by name rather than ignored in silence
 UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix")
@@ -144,7 +144,7 @@ def _messages(body: dict, limit: int, documents: list[dict]) -> list[dict]:
 def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | None:
     """``"snapkv": false`` (full cache), ``true`` (the server's compression), or an object of
     ``SnapKVConfig`` fields; ``budget`` takes tokens (512) or a share (``"50%"``); ``method``
-    ``"docsnapkv"`` selects document-aware SnapKV (with ``votes``), ``"snapkv"`` plain SnapKV."""
+    ``"docsnapkv"`` selects document-aware SnapKV, ``"snapkv"`` plain SnapKV."""
     if value is None:
         return None
     if isinstance(value, bool):
