@@ -2,12 +2,16 @@
 transformers < 5.3), so it imports nothing from snapkv_rag.
 
 Reads JSON lines on stdin, one request each: ``{"input_ids": [...], "budget": int, "window_size":
-int, "kernel_size": int, "max_new_tokens": int, "eos_ids": [...]}``. For each, prefills the very
-same token ids under kvpress's ``SnapKVPress`` (its documented use: the press as a context manager
-around the model's forward), then decodes greedily from the compressed cache at the original
-positions, and writes one JSON line: the new token ids, the time for the whole answer, its prefill
-and decode parts, and how many positions the press kept. The first line it writes is ``{"ready":
-true}`` once the model is loaded.
+int, "kernel_size": int, "max_new_tokens": int, "eos_ids": [...]}``, optionally ``"press"`` (one of
+:data:`PRESSES`, default ``"snapkv"``; ``null``: no press, the full cache), ``"stop_ids"`` (tokens
+that end the answer once written, e.g. those holding a newline) and, for Finch, ``"question_start"``
+and ``"delimiter_id"`` (Finch reads the question after a delimiter token that its embedding hook
+removes again: the model sees the very same ids). For each, prefills the token ids under the press
+(its documented use: the press as a context manager around the model's forward), then decodes
+greedily from the compressed cache at the original positions, and writes one JSON line: the new
+token ids, the time for the whole answer, its prefill and decode parts, and how many positions the
+cache holds (AdaKV-style presses mask per head instead: their cache keeps every position). The
+first line it writes is ``{"ready": true}`` once the model is loaded.
 """
 
 from __future__ import annotations
@@ -19,23 +23,51 @@ import time
 from importlib import metadata
 
 import torch
-from kvpress import SnapKVPress
+from contextlib import nullcontext
+
+from kvpress import AdaKVPress, ChunkKVPress, CriticalAdaKVPress, FinchPress, SnapKVPress, TOVAPress
 from transformers import AutoModelForCausalLM, DynamicCache
+
+PRESSES = ("snapkv", "adakv", "criticaladakv", "finch", "chunkkv", "tova")
+
+
+def make_press(request: dict, ratio: float):
+    """The named press at ``ratio``, its scorer SnapKV with the request's window and kernel (kvpress's
+    own defaults otherwise: AdaKV's safeguard 0.2, ChunkKV's 20-token chunks). Finch keeps its keys
+    at their positions (``rerotate_keys=False``), as every other press here does."""
+    name = request.get("press", "snapkv")
+    snap = SnapKVPress(compression_ratio=ratio, window_size=request["window_size"], kernel_size=request["kernel_size"])
+    if name == "snapkv":
+        return snap
+    if name == "adakv":
+        return AdaKVPress(snap)
+    if name == "criticaladakv":
+        return CriticalAdaKVPress(snap)
+    if name == "chunkkv":
+        return ChunkKVPress(snap)
+    if name == "tova":
+        return TOVAPress(compression_ratio=ratio)
+    if name == "finch":
+        press = FinchPress(compression_ratio=ratio, rerotate_keys=False)
+        press.delimiter_token_id = request["delimiter_id"]
+        return press
+    raise ValueError(f"press: expected one of {PRESSES} or null, got {name!r}")
 
 
 def answer(model, request: dict) -> dict:
-    ids = torch.tensor([request["input_ids"]])
-    length = ids.shape[1]
+    ids = request["input_ids"]
+    length = len(ids)
     # kvpress keeps int(length * (1 - ratio)) positions per head: choose the ratio that keeps `budget`
     ratio = max(0.0, 1.0 - (request["budget"] + 0.5) / length)
-    press = SnapKVPress(compression_ratio=ratio, window_size=request["window_size"],
-                        kernel_size=request["kernel_size"])
-    eos = set(request["eos_ids"])
+    press = None if request.get("press", "snapkv") is None else make_press(request, ratio)
+    if isinstance(press, FinchPress):  # the delimiter goes before the question; the hook removes it
+        ids = ids[:request["question_start"]] + [request["delimiter_id"]] + ids[request["question_start"]:]
+    eos, stops = set(request["eos_ids"]), set(request.get("stop_ids", ()))
     cache = DynamicCache()
     with torch.inference_mode():
         start = time.perf_counter()
-        with press(model):
-            logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
+        with press(model) if press is not None else nullcontext():
+            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, logits_to_keep=1).logits
         prefill_s = time.perf_counter() - start
         kept = cache.layers[0].keys.shape[-2]
         tokens: list[int] = []
@@ -46,7 +78,7 @@ def answer(model, request: dict) -> dict:
             if token in eos:
                 break
             tokens.append(token)
-            if step == request["max_new_tokens"] - 1:
+            if token in stops or step == request["max_new_tokens"] - 1:
                 break
             logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
                            position_ids=torch.tensor([[length + step]]), logits_to_keep=1).logits

@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from .config import SnapKVConfig
+from .config import DocSnapKVConfig, SnapKVConfig
 from .files import DOC_SUFFIXES, DocumentFileError, collect_documents
 from .server import options as serve_options
 
@@ -18,7 +18,7 @@ DEMO_FILE = Path(__file__).with_name("data") / "demo.jsonl"
 FLAGS = {"max_capacity_prompt": "--budget", "window_size": "--window", "kernel_size": "--kernel",
          "pooling": "--pooling", "max_new_tokens": "--max-new-tokens", "device": "--device", "dtype": "--dtype",
          "model": "--model"}
-COMPRESSION_DEFAULTS = {"budget": 1024, "window": 32, "kernel": 7, "pooling": "max"}
+COMPRESSION_DEFAULTS = {"method": "snapkv", "budget": 1024, "window": 32, "kernel": 7, "pooling": "max"}
 log = logging.getLogger("snapkv_rag.cli")
 
 
@@ -112,8 +112,9 @@ def budget_value(text: str) -> int | float:
 
 def _snapkv(budget: int | float, settings: dict) -> SnapKVConfig:
     size = {"ratio": budget} if isinstance(budget, float) else {"max_capacity_prompt": budget}
+    method = DocSnapKVConfig if settings["method"] == "docsnapkv" else SnapKVConfig
     try:
-        return SnapKVConfig(**size, window_size=settings["window"], kernel_size=settings["kernel"],
+        return method(**size, window_size=settings["window"], kernel_size=settings["kernel"],
                             pooling=settings["pooling"])
     except ValueError as error:
         raise UsageError(in_flag_words(str(error))) from error
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32 on CPU)")
     common.add_argument("--budget", type=budget_value, default=None, help="prompt tokens kept per layer and KV "
                         "head (512), or a share of each prompt (50%%, never below 128 tokens); default 1024 tokens")
+    common.add_argument("--method", default=None, choices=("snapkv", "docsnapkv"), help="snapkv, or docsnapkv: "
+                        "document-aware SnapKV (keeps the instruction and question, shares the budget between the "
+                        "documents by the votes they get) (default snapkv)")
     common.add_argument("--window", type=int, default=None, help="observation window (default 32)")
     common.add_argument("--kernel", type=int, default=None, help="pooling kernel, odd (default 7)")
     common.add_argument("--pooling", default=None, choices=("max", "avg"), help="(default max)")

@@ -16,11 +16,12 @@ selection does not depend on where a row's tokens sit in a padded batch.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .config import H2OConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
+from .config import DocSnapKVConfig, H2OConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
 
 NEG_INF = float("-inf")
 
@@ -143,6 +144,110 @@ def snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, value_st
     return keep_top(pooled, key_states, value_states, capacity, window, attention_mask)
 
 
+def share_budget(mass: Sequence[float], lengths: Sequence[int], total: int) -> list[int]:
+    """``total`` tokens shared out in proportion to ``mass``, no share above its ``lengths``: a
+    share that would pass its length is capped and the rest goes round the others again; the
+    fractions left are given by largest remainder (the earlier first on ties). The shares add up to
+    ``min(total, sum(lengths))``; a zero mass gets nothing while another can still take tokens, and
+    tokens no positive mass can take go to the zero-mass ones by length."""
+    shares = [0] * len(lengths)
+    left = min(total, sum(lengths))
+    open_ = [i for i, n in enumerate(lengths) if n > 0]
+    while left > 0 and open_:
+        weights = {i: max(float(mass[i]), 0.0) for i in open_}
+        if sum(weights.values()) <= 0:
+            weights = {i: float(lengths[i] - shares[i]) for i in open_}
+        norm = sum(weights.values())
+        ideal = {i: left * w / norm for i, w in weights.items()}
+        full = [i for i in open_ if ideal[i] >= lengths[i] - shares[i]]
+        if full:  # capped documents take all they have; the others share what is left, again
+            for i in full:
+                left -= lengths[i] - shares[i]
+                shares[i] = lengths[i]
+            open_ = [i for i in open_ if i not in full]
+            continue
+        floors = {i: int(ideal[i]) for i in open_}
+        extra = left - sum(floors.values())
+        for i in sorted(open_, key=lambda i: (-(ideal[i] - floors[i]), i))[:extra]:
+            floors[i] += 1
+        for i in open_:
+            shares[i] += floors[i]
+        left = 0
+    return shares
+
+
+def pool_within(votes: torch.Tensor, doc_of: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """:func:`pool_votes` inside each document only: ``votes`` ``[B, H, n]`` are the documents'
+    tokens one after another, ``doc_of`` ``[n]`` (ascending) the document of each. The documents
+    are laid out with ``kernel_size // 2`` pads between them (what the pooling pads the ends with:
+    ``-inf`` for max, 0 for avg), pooled in one call, and read back."""
+    pad = kernel_size // 2
+    if pad == 0:
+        return votes
+    slots = torch.arange(votes.shape[-1], device=votes.device) + doc_of * pad
+    gapped = votes.new_full((*votes.shape[:-1], votes.shape[-1] + pad * int(doc_of[-1])),
+                            NEG_INF if pooling == "max" else 0.0)
+    gapped[..., slots] = votes
+    return pool_votes(gapped, kernel_size, pooling)[..., slots]
+
+
+def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                      config: DocSnapKVConfig, attention_mask: torch.Tensor | None = None, *,
+                      capacity: int | None = None, shared: bool = False, **scoring
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Document-aware SnapKV (:class:`DocSnapKVConfig`): returns ``(keys, values, kept_positions)``.
+
+    ``query`` is ``[B, H, L, D]`` (all prompt queries; the voters are taken from its end). Every
+    position outside the documents is kept (window included); the budget left is shared between
+    the documents by their vote mass (mean over heads, :func:`share_budget`) and each head keeps
+    its best positions inside each share, votes pooled within the document. The spans apply to
+    every row (one prompt's layout; the engine prefills one request at a time). Without spans, or
+    when the positions outside the documents alone fill the budget, this is :func:`snapkv_select`.
+    """
+    capacity = config.max_capacity_prompt if capacity is None else capacity
+    b, _, length, _ = key_states.shape
+    spans = [] if config.spans is None else config.spans.in_slice(length)
+    device = key_states.device
+    positions = torch.tensor([p for start, stop in spans for p in range(start, stop)], dtype=torch.long, device=device)
+    doc_of = torch.tensor([d for d, (start, stop) in enumerate(spans) for _ in range(start, stop)], dtype=torch.long,
+                          device=device)
+    in_doc = torch.zeros(length, dtype=torch.bool, device=device)
+    in_doc[positions] = True
+    in_doc[length - min(config.window_size, length):] = False  # the observation window is always kept
+    real = (torch.ones(b, length, dtype=torch.bool, device=device) if attention_mask is None
+            else attention_mask.to(device=device, dtype=torch.bool))
+    fixed = real & ~in_doc
+    if not spans or length <= capacity or int(fixed.sum(-1).max()) >= capacity:
+        return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
+                             capacity=capacity, shared=shared, **scoring)
+    window = min(config.window_size, query.shape[-2])
+    votes = snapkv_votes(query[..., -window:, :], key_states, attention_mask, **scoring)  # [B, H_kv, L]
+    if shared:
+        votes, key_states, value_states = votes.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
+    heads = votes.shape[1]
+    pooled = pool_within(votes[..., positions], doc_of, config.kernel_size, config.pooling)
+    # each document's tokens in (score desc, position asc) order, the documents one after another
+    order = best_positions(pooled, pooled.shape[-1])
+    order = order.gather(-1, doc_of[order].argsort(dim=-1, stable=True))
+    rank = torch.arange(len(doc_of), device=device) - torch.tensor(
+        [0] + [stop - start for start, stop in spans[:-1]], device=device).cumsum(0)[doc_of]
+    rows = []
+    for row in range(b):
+        outside = torch.nonzero(fixed[row]).flatten().expand(heads, -1)
+        mass = torch.zeros(len(spans), device=device).index_add_(0, doc_of, votes[row][:, positions].mean(0))
+        shares = share_budget(mass.tolist(), [stop - start for start, stop in spans], capacity - outside.shape[-1])
+        chosen = rank < torch.tensor(shares, device=device)[doc_of]  # the first `share` of each document
+        picked = positions[order[row][:, chosen]]
+        kept = torch.cat([outside, picked], dim=-1)
+        short = capacity - kept.shape[-1]  # a padded row shorter than the budget: pads fill its slots
+        if short > 0:
+            pads = torch.nonzero(~real[row]).flatten()[:short]
+            kept = torch.cat([kept, pads.expand(heads, -1)], dim=-1)
+        rows.append(kept.sort(dim=-1).values)
+    kept = torch.stack(rows)
+    return gather_positions(key_states, kept), gather_positions(value_states, kept), kept
+
+
 def streaming_select(key_states: torch.Tensor, value_states: torch.Tensor, config: StreamingLLMConfig,
                      attention_mask: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -197,6 +302,9 @@ def select(config, query: torch.Tensor, key_states: torch.Tensor, value_states: 
     ``shared``: one selection for all heads (see :func:`snapkv_select`)."""
     if shared and not isinstance(config, (SnapKVConfig, H2OConfig)):  # positions only: any head will do
         key_states, value_states = key_states[:, :1], value_states[:, :1]
+    if isinstance(config, DocSnapKVConfig):
+        return doc_snapkv_select(query, key_states, value_states, config, attention_mask,
+                                 capacity=config.budget_for_layer(layer_idx, num_layers), shared=shared, **scoring)
     if isinstance(config, SnapKVConfig):  # PyramidKVConfig included: only the budget differs
         capacity = config.budget_for_layer(layer_idx, num_layers)
         return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
@@ -208,4 +316,4 @@ def select(config, query: torch.Tensor, key_states: torch.Tensor, value_states: 
     if isinstance(config, RandomConfig):
         return random_select(key_states, value_states, config, attention_mask, layer_idx=layer_idx)
     raise TypeError(f"snapkv: expected a compression config (SnapKVConfig, StreamingLLMConfig, H2OConfig, "
-                    f"RandomConfig, PyramidKVConfig), got {type(config).__name__}")
+                    f"RandomConfig, PyramidKVConfig, DocSnapKVConfig), got {type(config).__name__}")

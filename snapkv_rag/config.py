@@ -39,8 +39,40 @@ def _check_budget(config, floor_name: str, floor: int) -> None:
              f"must be an integer larger than {floor_name}={floor}, got {config.min_capacity_prompt!r}")
 
 
+@dataclass(frozen=True)
+class PromptSpans:
+    """Where a RAG prompt's parts lie, in tokens counted back from the END of the prompt (so
+    ``-n`` is the first of ``n`` tokens): ``documents`` one ``(start, stop)`` per document, in
+    order, ``stop`` exclusive and ``<= 0``; ``question`` where the question starts. Counted from the
+    end, they hold unchanged for any slice of the prompt that ends where it ends (a sliding layer's
+    window, a left-padded row). Built by :func:`snapkv_rag.text.encode_request`."""
+
+    documents: tuple[tuple[int, int], ...]
+    question: int
+
+    def __post_init__(self) -> None:
+        last = None
+        for start, stop in self.documents:
+            _require(isinstance(start, int) and isinstance(stop, int) and start < stop <= 0, "spans",
+                     f"each document span must be (start, stop) with start < stop <= 0, got {(start, stop)!r}")
+            _require(last is None or start >= last, "spans", "document spans must be in order, not overlapping")
+            last = stop
+        _require(isinstance(self.question, int) and self.question < 0 and (last is None or self.question >= last),
+                 "spans", f"question must start after the last document and before the end, got {self.question!r}")
+
+    def in_slice(self, length: int) -> list[tuple[int, int]]:
+        """The document spans as positions of a slice of ``length`` tokens that ends where the
+        prompt ends; documents wholly before the slice are left out, one cut by it is clipped."""
+        return [(max(length + start, 0), length + stop) for start, stop in self.documents if length + stop > 0]
+
+
 class _Budget:
     """What the method configs share about their budget."""
+
+    def with_spans(self, spans: PromptSpans | None):
+        """This config bound to one prompt's document spans: only the document-aware methods use
+        them (:class:`DocSnapKVConfig`); every other method is returned as it is."""
+        return self
 
     def for_prompt(self, prompt_tokens: int):
         """This config with its budget in tokens for a prompt of ``prompt_tokens``: a ``ratio``
@@ -112,6 +144,32 @@ class PyramidKVConfig(SnapKVConfig):
 
 
 @dataclass(frozen=True)
+class DocSnapKVConfig(SnapKVConfig):
+    """Document-aware SnapKV: SnapKV's votes, read with the prompt's structure.
+
+    Every token outside the documents (system turn, instruction, question, the window) is kept;
+    the rest of the budget is shared out between the documents in proportion to the vote mass each
+    receives (averaged over the layer's heads), so a document nobody attends to can go whole and
+    the one the question reads keeps more; inside its share each head keeps its own best-voted
+    tokens, pooled within the document only (a cluster never spills into the next one). ``spans``
+    is bound per request by the engine (:meth:`with_spans`); without spans (no documents, or a
+    prompt built by hand) this is plain SnapKV with the same settings.
+    """
+
+    spans: PromptSpans | None = None
+
+    method = "docsnapkv"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.spans is None or isinstance(self.spans, PromptSpans), "spans",
+                 f"must be a PromptSpans or None, got {type(self.spans).__name__}")
+
+    def with_spans(self, spans: PromptSpans | None) -> DocSnapKVConfig:
+        return replace(self, spans=spans)
+
+
+@dataclass(frozen=True)
 class StreamingLLMConfig(_Budget):
     """StreamingLLM (Xiao et al. 2023): the first ``sink_tokens`` positions plus the most recent ones."""
 
@@ -166,13 +224,15 @@ class RandomConfig(_RecentWindowConfig):
 
 
 CompressionConfig = SnapKVConfig | StreamingLLMConfig | H2OConfig | RandomConfig
-"""Any of the method configs above; ``PyramidKVConfig`` is a ``SnapKVConfig``."""
+"""Any of the method configs above; ``PyramidKVConfig`` and ``DocSnapKVConfig`` are ``SnapKVConfig``s."""
 
 COMPRESSION_CONFIGS = (SnapKVConfig, StreamingLLMConfig, H2OConfig, RandomConfig)
 
 __all__ = [
     "SnapKVConfig",
     "PyramidKVConfig",
+    "DocSnapKVConfig",
+    "PromptSpans",
     "StreamingLLMConfig",
     "H2OConfig",
     "RandomConfig",

@@ -247,7 +247,8 @@ class SnapKVLLM:
             raise ValueError("methods: give at least one method")
         request = self.request(check_question(question), documents, options.get("cite", "text"))
         configs = {name: check_config(config) for name, config in methods.items()}
-        configs = {name: config and config.for_prompt(len(request.input_ids)) for name, config in configs.items()}
+        configs = {name: config and config.for_prompt(len(request.input_ids)).with_spans(request.spans)
+                   for name, config in configs.items()}
         sampling, stop, _ = self._options({k: v for k, v in options.items() if k != "snapkv"}, request)
         try:
             return comparing.compare(self.runner, self.tokenizer, request, configs, sampling, stop, hit_rate)
@@ -303,9 +304,10 @@ class SnapKVLLM:
         return sampling, stop, config
 
     def _submit(self, request: Request, sampling: SamplingOptions, stop: list[str], config, loop=None) -> Ticket:
-        """Hand one checked request to the scheduler; a budget share is of this prompt's length."""
+        """Hand one checked request to the scheduler; a budget share is of this prompt's length, and
+        a document-aware method gets this prompt's document spans."""
         if config is not None:
-            config = config.for_prompt(len(request.input_ids))
+            config = config.for_prompt(len(request.input_ids)).with_spans(request.spans)
         return self.scheduler.submit(request, sampling, stop, config, loop)
 
     def _results(self, request: Request, ticket: Ticket, config, plan: ToolPlan | None = None

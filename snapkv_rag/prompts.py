@@ -61,20 +61,29 @@ def to_documents(items: Iterable[DocumentLike] | None) -> list[Document]:
     return [to_document(item, i) for i, item in enumerate(items)]
 
 
-def format_documents(documents: Sequence[Document]) -> str:
-    """``[1] Title: ...`` blocks, numbered from 1 in the order given."""
+def document_blocks(documents: Sequence[Document]) -> list[str]:
+    """One ``[n] Title: ...`` block per document, numbered from 1 in the order given."""
     blocks = []
     for number, doc in enumerate(documents, start=1):
         head = f"[{number}] Title: {doc.title}\n" if doc.title else f"[{number}] "
         blocks.append(head + doc.text.strip())
-    return "\n\n".join(blocks)
+    return blocks
+
+
+def format_documents(documents: Sequence[Document]) -> str:
+    """The documents' blocks, a blank line between two."""
+    return "\n\n".join(document_blocks(documents))
+
+
+QUESTION_MARK = "\n\nQuestion: "
+"""What precedes the question in the user turn (where the question's votes start)."""
 
 
 def rag_user_message(question: str, documents: Sequence[Document], instruction: str = DEFAULT_INSTRUCTION) -> str:
     """The user turn of a RAG prompt: documents, then the instruction, then the question, last."""
     if not documents:
         return question
-    return f"Documents:\n\n{format_documents(documents)}\n\n{instruction}\n\nQuestion: {question}"
+    return f"Documents:\n\n{format_documents(documents)}\n\n{instruction}{QUESTION_MARK}{question}"
 
 
 _BRACKET = re.compile(r"\[([0-9][0-9,;\s]*(?:(?:and|&)\s*[0-9]+\s*)?)\]")

@@ -8,11 +8,13 @@ text) and yields ``(row, piece)`` as text becomes final; its return value is one
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
+from .config import PromptSpans
 from .generation import Finished, Prefilled, Runner, SamplingOptions, Token, decode
-from .prompts import Document, DocumentLike, rag_user_message, to_documents
+from .prompts import QUESTION_MARK, Document, DocumentLike, document_blocks, rag_user_message, to_documents
 from .tools import for_template, has_tool_section, normalise_tool_calls, render_without_tool_section
 
 Message = Mapping[str, str] | tuple[str, str]
@@ -23,13 +25,16 @@ ROLES = ("system", "user", "assistant", "tool")
 class Request:
     """One prompt ready to run: the text the model sees (chat template applied), its token ids and
     the documents it numbers ``[1]..[N]``. ``constraint`` (a :class:`snapkv_rag.structured.Constraint`)
-    restricts the answer to a response format; ``cite`` is ``"json"`` in the cited-answer mode."""
+    restricts the answer to a response format; ``cite`` is ``"json"`` in the cited-answer mode.
+    ``spans``: where each document and the question lie in ``input_ids`` (``None`` without
+    documents, or with a tokenizer that cannot map characters to tokens)."""
 
     input_ids: list[int]
     documents: list[Document]
     text: str = ""
     constraint: Any = None
     cite: str = "text"
+    spans: PromptSpans | None = None
 
 
 @dataclass
@@ -99,7 +104,32 @@ def encode_request(tokenizer, messages: Sequence[Message], documents: Sequence[D
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     else:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    return Request(input_ids=tokenizer(text, add_special_tokens=False).input_ids, documents=docs, text=text)
+    if not docs or not getattr(tokenizer, "is_fast", False):
+        return Request(input_ids=tokenizer(text, add_special_tokens=False).input_ids, documents=docs, text=text)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return Request(input_ids=encoded.input_ids, documents=docs, text=text,
+                   spans=prompt_spans(text, encoded.offset_mapping, docs))
+
+
+def prompt_spans(text: str, offsets: Sequence[tuple[int, int]], documents: Sequence[Document]) -> PromptSpans | None:
+    """The token spans of the documents' blocks and where the question starts in ``text``, from
+    the tokens' character ``offsets``; ``None`` if a block is not found as written (a chat template
+    that rewrites the user turn). A token that straddles a block's edge counts as the block's."""
+    starts, ends = [s for s, _ in offsets], [e for _, e in offsets]
+    n, cursor, last, spans = len(offsets), 0, 0, []
+    for block in document_blocks(documents):
+        at = text.find(block, cursor)
+        if at < 0:
+            return None
+        cursor = at + len(block)
+        first, stop = max(bisect_right(ends, at), last), bisect_left(starts, cursor)
+        if stop > first:
+            spans.append((first - n, stop - n))
+            last = stop
+    question = text.find(QUESTION_MARK, cursor)
+    if question < 0:
+        return None
+    return PromptSpans(documents=tuple(spans), question=max(bisect_right(ends, question + 2), last) - n)
 
 
 class TextState:

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
+from dataclasses import fields as fields_of
 from typing import Any
 
-from ..config import SnapKVConfig
+from ..config import DocSnapKVConfig, SnapKVConfig
 from ..tools import ToolPlan
 from . import tool_calls
 from .errors import APIError, bad, typed
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-SNAPKV_FIELDS = ("max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling")
+SNAPKV_FIELDS = ("method", "max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling")
+METHODS = {"snapkv": SnapKVConfig, "docsnapkv": DocSnapKVConfig}
 # OpenAI parameters this server cannot honour: refused by name rather than ignored in silence
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
 
@@ -127,7 +129,8 @@ def _messages(body: dict, limit: int, documents: list[dict]) -> list[dict]:
 
 def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | None:
     """``"snapkv": false`` (full cache), ``true`` (the server's compression), or an object of
-    ``SnapKVConfig`` fields; ``budget`` takes tokens (512) or a share (``"50%"``)."""
+    ``SnapKVConfig`` fields; ``budget`` takes tokens (512) or a share (``"50%"``); ``method``
+    ``"docsnapkv"`` selects document-aware SnapKV, ``"snapkv"`` plain SnapKV."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -138,6 +141,12 @@ def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | 
     if unknown:
         raise bad(f"snapkv.{unknown[0]}", f"unknown field; the fields are {', '.join(SNAPKV_FIELDS)}", "unknown_field")
     fields = dict(value)
+    base = settings.compression or settings.base_compression
+    method = fields.pop("method", None)
+    if method is not None:
+        if method not in METHODS:
+            raise bad("snapkv.method", f"must be one of {', '.join(METHODS)}, got {json.dumps(method)}")
+        base = METHODS[method](**{f.name: getattr(base, f.name) for f in fields_of(SnapKVConfig)})
     budget = fields.pop("budget", None)
     if isinstance(budget, str) and budget.endswith("%"):
         try:
@@ -150,7 +159,7 @@ def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | 
         fields.setdefault("max_capacity_prompt", None)
         fields.setdefault("ratio", None)
     try:
-        return replace(settings.compression or settings.base_compression, **fields)
+        return replace(base, **fields)
     except (ValueError, TypeError) as error:
         name = str(error).split(":")[0]
         raise bad(f"snapkv.{name}" if name in SNAPKV_FIELDS else "snapkv", str(error)) from None

@@ -1,0 +1,221 @@
+"""Side by side in one run: kvpress's presses and our selection methods on the very same token ids
+and budgets, measured by how often each keeps the full cache's greedy answer.
+
+Prompts: the method grid's (``evals/results/methods``): NQ-open, N=10 and N=20 passages with the
+gold one in the middle, and HotpotQA with its own 10 paragraphs, seed 0, taken in turn (an NQ
+N=10, an NQ N=20, a HotpotQA prompt, ...) so that a partial run covers every set alike. Per prompt,
+our half runs the full cache and each of our methods from ONE shared prefill (``compare``); the
+kvpress half (its own venv, ``kvpress_worker.py``) prefills once per press and once with no press.
+Every method keeps ``round(share * prompt tokens)`` positions per layer and head at each share
+(50% and 25% by default). An answer is cut at its first newline (as in the evals) and scored
+against its own side's full-cache answer (identical text; token F1), and against the gold answers.
+
+Rows are appended to ``OUT/rows.jsonl`` as each prompt finishes; a rerun skips the prompts done.
+``--report-only`` writes ``OUT/summary.md`` and ``OUT/summary.json``: per set and share, each
+method's means with 95% bootstrap intervals, and each method's paired difference from our SnapKV
+(same prompts) with its 95% paired bootstrap interval.
+
+    python benchmarks/peer_presses.py --out benchmarks/results/peer_presses      # resumable
+    python benchmarks/peer_presses.py --out benchmarks/results/peer_presses --report-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from peer_kvpress import KVPressWorker  # noqa: E402
+
+from evals.metrics import answer_scores, fidelity_scores  # noqa: E402
+from evals.report import bootstrap_ci  # noqa: E402
+
+PRESSES = ("snapkv", "adakv", "criticaladakv", "finch", "chunkkv", "tova")
+BASELINE = "ours:snapkv"
+GRID_QUESTIONS = 100  # evals/results/methods: --num-questions 100, seed 0
+METRICS = ("identical_to_full", "f1_vs_full", "f1")
+
+
+def examples(count: int) -> list:
+    """The grid's prompts (its 100 questions per set, the same seeded sample), the three sets in
+    turn: NQ N=10, NQ N=20 (gold middle), HotpotQA: 300 at most."""
+    from evals.datasets import multihop_examples, nq_examples
+
+    nq = nq_examples(GRID_QUESTIONS, [10, 20], ["middle"], 0)
+    sets = [[e for e in nq if e.num_docs == 10], [e for e in nq if e.num_docs == 20],
+            multihop_examples("hotpotqa", GRID_QUESTIONS, [10], 0)]
+    return [e for trio in zip(*sets) for e in trio][:count]
+
+
+def our_configs(budget: int) -> dict:
+    from snapkv_rag import DocSnapKVConfig, SnapKVConfig
+
+    return {"snapkv": SnapKVConfig(max_capacity_prompt=budget),
+            "snapkv_avg": SnapKVConfig(max_capacity_prompt=budget, pooling="avg"),
+            "docsnapkv": DocSnapKVConfig(max_capacity_prompt=budget)}
+
+
+def first_line(text: str) -> str:
+    return text.split("\n")[0].strip()
+
+
+def run_prompt(llm, worker, example, shares, args, eos, newline_ids) -> dict:
+    """One prompt through both halves: the row written to rows.jsonl."""
+    request = llm.request(example.question, list(example.documents), "text")
+    ids, length = request.input_ids, len(request.input_ids)
+    budgets = {share: round(share * length) for share in shares}
+    methods = {"full": None}
+    for share, budget in budgets.items():
+        methods.update({f"{name}@{share:.0%}": c for name, c in our_configs(budget).items()})
+    both = llm.compare(example.question, list(example.documents), methods=methods, hit_rate=False,
+                       max_new_tokens=args.max_new_tokens, stop=["\n"])
+    answers = {f"ours:{name}": first_line(r.text) for name, r in both.results.items()}
+    kept = {f"ours:{name}": max(r.compression.kept_tokens) for name, r in both.results.items()}
+    selection_ms = {f"ours:{name}": r.compression.selection_ms for name, r in both.results.items()}
+    base = {"input_ids": ids, "window_size": 32, "kernel_size": 7, "max_new_tokens": args.max_new_tokens,
+            "eos_ids": eos, "stop_ids": newline_ids, "question_start": length + request.spans.question,
+            "delimiter_id": next(i for i in range(len(llm.tokenizer) - 1, 0, -1) if i not in set(ids))}
+    peer_runs = [("full", None, length)] + [(f"{p}@{s:.0%}", p, b) for s, b in budgets.items() for p in PRESSES]
+    for name, press, budget in peer_runs:
+        out = worker.ask({**base, "press": press, "budget": budget})
+        answers[f"kvpress:{name}"] = first_line(llm.tokenizer.decode(out["tokens"], skip_special_tokens=True))
+        kept[f"kvpress:{name}"] = out["kept"]
+    return {"example_id": example.id, "dataset": example.dataset, "num_docs": example.num_docs,
+            "question": example.question, "answers": list(example.answers), "prompt_tokens": length,
+            "budgets": {f"{s:.0%}": b for s, b in budgets.items()}, "prefill_s": both.prefill_s,
+            "texts": answers, "kept": kept, "selection_ms": selection_ms}
+
+
+def scored(row: dict) -> dict[str, dict[str, float]]:
+    """Per method name (``side:method@share``): fidelity to its side's full answer, gold answer F1."""
+    out = {}
+    for name, text in row["texts"].items():
+        side, method = name.split(":")
+        if method == "full":
+            continue
+        full = row["texts"][f"{side}:full"]
+        out[name] = {**fidelity_scores(text, full), "f1": answer_scores(text, row["answers"])["f1"],
+                     "f1_minus_full": answer_scores(text, row["answers"])["f1"]
+                     - answer_scores(full, row["answers"])["f1"]}
+    return out
+
+
+def set_label(row: dict) -> str:
+    return f"nq N={row['num_docs']}" if row["dataset"] == "nq" else row["dataset"]
+
+
+def report(rows: list[dict]) -> dict:
+    """Per (set, share, method): n, means with intervals, paired differences from our SnapKV. The
+    sets: each one alone, both NQ cells together, and everything."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        for label in {set_label(row), "nq (N=10 and 20)" if row["dataset"] == "nq" else "", "all"} - {""}:
+            groups[label].append(row)
+    table = []
+    for label, members in sorted(groups.items()):
+        scores = [scored(r) for r in members]
+        for name in sorted(scores[0], key=lambda n: (n.split("@")[1], n)):
+            baseline = f"{BASELINE}@{name.split('@')[1]}"
+            record = {"set": label, "share": name.split("@")[1], "method": name, "n": len(scores)}
+            for metric in (*METRICS, "f1_minus_full"):
+                values = [s[name][metric] for s in scores]
+                record[metric], record[f"{metric}_ci"] = sum(values) / len(values), bootstrap_ci(values)
+                if name != baseline:
+                    diffs = [s[name][metric] - s[baseline][metric] for s in scores]
+                    record[f"{metric}_vs_snapkv"] = sum(diffs) / len(diffs)
+                    record[f"{metric}_vs_snapkv_ci"] = bootstrap_ci(diffs)
+            table.append(record)
+    agree = [r["texts"]["ours:full"] == r["texts"]["kvpress:full"] for r in rows]
+    return {"prompts": len(rows), "full_caches_agree": sum(agree), "table": table}
+
+
+def _cell(record: dict, metric: str, paired: bool = False) -> str:
+    key = f"{metric}_vs_snapkv" if paired else metric
+    if key not in record:
+        return "(baseline)"
+    low, high = record[f"{key}_ci"]
+    return f"{record[key]:+.3f} [{low:+.2f}, {high:+.2f}]" if paired else f"{record[key]:.3f} [{low:.2f}, {high:.2f}]"
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"# kvpress presses and our methods, same token ids and budgets: {summary['prompts']} prompts", "",
+             f"The two full caches (ours, kvpress's transformers) give the same answer on "
+             f"{summary['full_caches_agree']} of {summary['prompts']} prompts; each method is scored against its "
+             f"own side's full cache. Intervals: 95% bootstrap; 'vs SnapKV' is the paired difference from our "
+             f"SnapKV at the same share on the same prompts.", ""]
+    for label in dict.fromkeys(r["set"] for r in summary["table"]):
+        records = [r for r in summary["table"] if r["set"] == label]
+        lines += [f"## {label} ({records[0]['n']} prompts)", "",
+                  "| share | method | identical to full | vs SnapKV | F1 vs full | vs SnapKV | answer F1 - full |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in records:
+            lines.append(f"| {r['share']} | {r['method']} | {_cell(r, 'identical_to_full')} | "
+                         f"{_cell(r, 'identical_to_full', True)} | {_cell(r, 'f1_vs_full')} | "
+                         f"{_cell(r, 'f1_vs_full', True)} | {_cell(r, 'f1_minus_full')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(out: Path) -> dict:
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
+    summary = report(rows)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(markdown(summary))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kvpress-python", default=str(HERE / ".venv-kvpress" / "bin" / "python"))
+    parser.add_argument("--model", default=None, help="model folder (default: the embedded model's cached folder)")
+    parser.add_argument("--prompts", type=int, default=300, help="prompts in all, the sets in turn (default and "
+                        "most: 300)")
+    parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.25], help="shares kept (0.5 0.25)")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, both halves")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "peer_presses")
+    parser.add_argument("--report-only", action="store_true", help="write the summary from the rows so far")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        print(markdown(write_report(args.out)))
+        return
+
+    import torch
+    from snapkv_rag import SnapKVLLM
+    from snapkv_rag.loading import default_model_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows_path = args.out / "rows.jsonl"
+    done = {json.loads(line)["example_id"] for line in rows_path.read_text().splitlines() if line.strip()} \
+        if rows_path.exists() else set()
+    model_dir = args.model or str(default_model_dir())
+    llm = SnapKVLLM(model_dir)
+    eos_config = llm.model.generation_config.eos_token_id
+    eos = sorted({llm.tokenizer.eos_token_id, *([eos_config] if isinstance(eos_config, int) else eos_config or [])}
+                 - {None})
+    newline_ids = [i for i in range(len(llm.tokenizer)) if "\n" in llm.tokenizer.decode([i])]
+    worker = KVPressWorker(args.kvpress_python, model_dir, args.threads)
+    try:
+        for example in examples(args.prompts):
+            if example.id in done:
+                continue
+            row = run_prompt(llm, worker, example, args.shares, args, eos, newline_ids)
+            with rows_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            done.add(example.id)
+            print(f"{len(done)}: {example.id} ({row['prompt_tokens']} tokens) done", flush=True)
+    finally:
+        worker.close()
+    print(markdown(write_report(args.out)))
+
+
+if __name__ == "__main__":
+    main()
