@@ -134,11 +134,9 @@ def test_kept_kv_are_the_full_kv_at_an_independent_snapkv_selection(name, tokeni
             model(torch.tensor([ids]), **{llm.runner.cache_kwarg: dyn}, use_cache=True)
     finally:
         llm.close()
-    from snapkv_rag.generation import Batch, prefill
-
-    pre = prefill(llm.runner, Batch.of([ids], 2), {"snap": BUDGET}, room=1)
+    kept_cache = llm.runner.prefill([ids], {"snap": BUDGET}).compressed["snap"][0]
     checked = 0
-    for i, layer in enumerate(pre.caches["snap"].layers):
+    for i, layer in enumerate(kept_cache.layers):
         if i not in capture.calls:  # a linear-attention layer: passed through
             assert not hasattr(layer, "positions")
             continue
@@ -151,15 +149,15 @@ def test_kept_kv_are_the_full_kv_at_an_independent_snapkv_selection(name, tokeni
                                        BUDGET.max_capacity_prompt, BUDGET.window_size, shared) + start
         if shared:
             expected = expected.expand(1, full_k.shape[1], -1)
-        kept = layer.positions[:, :, : layer.prompt_slots]
+        kept = layer.positions
         assert torch.equal(kept, expected), f"layer {i}"
         index = (kept - start)[..., None]
-        assert torch.equal(layer.keys[:, :, : layer.prompt_slots], full_k.gather(2, index.expand(-1, -1, -1, full_k.shape[-1])))
-        assert torch.equal(layer.values[:, :, : layer.prompt_slots], full_v.gather(2, index.expand(-1, -1, -1, full_v.shape[-1])))
+        assert torch.equal(layer.keys, full_k.gather(2, index.expand(-1, -1, -1, full_k.shape[-1])))
+        assert torch.equal(layer.values, full_v.gather(2, index.expand(-1, -1, -1, full_v.shape[-1])))
         checked += 1
     assert checked >= 1
     if isinstance(dyn.layers[0], DynamicSlidingWindowLayer):  # the sliding share is never exceeded
-        assert pre.caches["snap"].layers[0].prompt_slots <= dyn.layers[0].sliding_window - 1
+        assert kept_cache.layers[0].slots <= dyn.layers[0].sliding_window - 1
 
 
 @pytest.mark.parametrize("name", NAMES)
