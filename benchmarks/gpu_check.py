@@ -4,15 +4,19 @@
 
 runs, from a copied tree with nothing installed but torch and transformers, each step in its own
 process with its own time limit (so one step's failure or hang cannot take the others' time):
-1. ``gpu_decode.py``: decode speed and memory, full cache vs SnapKV, plain and compiled, against
-   the bandwidth floor (see that script); gets what the two later steps do not need;
-2. the engine's tiny-model tests (``tests/test_engine_tiny.py``, ``tests/test_compression.py``)
+1. ``gpu_decode.py``: decode speed and memory, full cache vs SnapKV, eager and graph, against
+   the bandwidth floor, at 16K-64K tokens x batch 1 and 2 (see that script); gets 60% of the
+   time the later steps do not need;
+2. ``gpu_decode.py --concurrent``: 1, 8 and 16 concurrent requests through the scheduler, the
+   same figures and tokens/s against one request's; gets the rest of that time;
+3. the engine's tiny-model tests (``tests/test_engine_tiny.py``, ``tests/test_compression.py``)
    on the device in float32 and then bfloat16, with a word-level tokenizer written here (the
    embedded model is not on that machine);
-3. an eval smoke run (``python -m evals --smoke``) on the device, with a random-weight model folder
+4. an eval smoke run (``python -m evals --smoke``) on the device, with a random-weight model folder
    written here (``kv`` only when rank-bm25, which the other datasets need, is not installed).
-OUT_DIR gets at most 8 files: gpu_check.json (every step's status, time and log tail),
-gpu_decode.json, and one log per step. ``--tiny --device cpu`` runs the same steps at toy size on
+OUT_DIR gets 8 files at most (what a lent machine sends back): gpu_check.json (every step's
+status, time and log tail, and the evals' summary), gpu_decode.json, gpu_concurrent.json and one
+log per step. ``--tiny --device cpu`` runs the same steps at toy size on
 the CPU (the test of this script).
 """
 
@@ -90,7 +94,10 @@ def main(argv=None) -> int:
     p.add_argument("--tests-s", type=float, default=60.0, help="time for the engine tests (default 60)")
     p.add_argument("--tests-k", default="not compiled", help="pytest -k expression for the engine tests (default: "
                    "all but the compiled-decode test; the benchmark compiles on real shapes)")
-    p.add_argument("--evals-s", type=float, default=40.0, help="time for the eval smoke run (default 40)")
+    p.add_argument("--evals-s", type=float, default=30.0, help="time for the eval smoke run (default 30; it took "
+                   "15 s on an H200)")
+    p.add_argument("--grid-share", type=float, default=0.6, help="the batch grid's share of the benchmarks' time "
+                   "(default 0.6; the concurrent run gets the rest)")
     args = p.parse_args(argv)
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -109,18 +116,24 @@ def main(argv=None) -> int:
     margin = 15.0
     left = lambda: args.time_budget_s - (time.monotonic() - STARTED) - margin  # noqa: E731
 
-    # 1. the benchmark, with what the later steps do not need (its watchdog ends it 30 s past its budget)
+    # 1-2. the benchmarks, with what the later steps do not need (each one's watchdog ends it 30 s past
+    # its budget; what the grid leaves unused goes to the concurrent run)
+    tiny = (["--tiny", "--steps", "4", "--models", "tiny-gqa", "--compile-estimate-s", "5", "--sizes", "160"]
+            if args.tiny else [])  # tiny: the grid alone compiles (slow on a CPU), the concurrent run is eager
+    bench_s = args.grid_share * (left() - args.tests_s - args.evals_s - 2 * 35)
+    grid = [sys.executable, str(HERE / "gpu_decode.py"), str(out), "--time-budget-s", f"{bench_s:.0f}",
+            "--device", args.device, *tiny]
+    step("gpu_decode", grid, bench_s + 35, out, env, report)
     bench_s = left() - args.tests_s - args.evals_s - 35
-    bench = [sys.executable, str(HERE / "gpu_decode.py"), str(out), "--time-budget-s", f"{bench_s:.0f}",
-             "--device", args.device] + (["--tiny", "--steps", "4", "--sizes", "160", "--models", "tiny-gqa",
-                                          "--compile-estimate-s", "5"] if args.tiny else [])
-    step("gpu_decode", bench, bench_s + 35, out, env, report)
+    concurrent = [sys.executable, str(HERE / "gpu_decode.py"), str(out), "--concurrent", "--time-budget-s",
+                  f"{bench_s:.0f}", "--device", args.device, *tiny] + (["--batches", "1", "2", "--no-compile"] if args.tiny else [])
+    step("gpu_concurrent", concurrent, bench_s + 35, out, env, report)
 
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = word_tokenizer()
         tokenizer_dir = Path(scratch) / "tokenizer"
         tokenizer.save_pretrained(tokenizer_dir)
-        # 2. the engine's tests on the device: float32, then bfloat16 (the compiled test once)
+        # 3. the engine's tests on the device: float32, then bfloat16 (the compiled test once)
         pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not model",
                   "-k", args.tests_k, *TESTS]
         for dtype in ("float32", "bfloat16"):
@@ -128,7 +141,7 @@ def main(argv=None) -> int:
                         "SNAPKV_TEST_TOKENIZER": str(tokenizer_dir)}
             budget = left() - args.evals_s if dtype == "bfloat16" else min(args.tests_s / 2, left() - args.evals_s)
             step(f"engine_tests_{dtype}", pytest, budget, out, test_env, report)
-        # 3. an eval smoke run on the device from a random-weight model folder
+        # 4. an eval smoke run on the device from a random-weight model folder
         model_dir = random_model_folder(Path(scratch) / "model", tokenizer, args.tiny)
         datasets = "nq,musique,kv" if importlib.util.find_spec("rank_bm25") and not args.tiny else "kv"
         report["evals_datasets"] = datasets
@@ -138,7 +151,7 @@ def main(argv=None) -> int:
         outcome = step("evals_smoke", evals, left(), out, env, report)
         summary = Path(scratch) / "evals" / "summary.md"
         if outcome["status"] == "passed" and summary.exists():
-            (out / "evals_summary.md").write_text(summary.read_text())
+            report["evals_summary"] = summary.read_text()
     report["wall_s"] = time.monotonic() - STARTED
     report["passed"] = all(s["status"] == "passed" for s in report["steps"].values())
     write(out, report)

@@ -1,20 +1,24 @@
-"""GPU decode speed and memory against the bandwidth floor: full cache vs SnapKV, random weights.
+"""GPU decode speed and memory against the bandwidth floor: full cache vs SnapKV, eager vs graph.
 
-Builds Llama-2-7B-shaped (MHA, as the paper's LWM-7B) and then Llama-3-8B-shaped (GQA, 8 KV
-heads) models with random bf16 weights on the device (no weight files) and, for prompts of
-16K-64K tokens at batch 1 and 2, times decoding through the public ``generate_batch`` with the
-full cache and with SnapKV@1024, first through the plain decode loop, then through the compiled
-fixed-size-cache step (``compile="reduce-overhead"``: CUDA graphs) for both. Each figure stands
-beside the bandwidth floor of the same run ((weight bytes + KV bytes read per decode step) /
-device copy bandwidth), and each speedup beside its ceiling (full floor / SnapKV floor: the most
-the hardware allows) and the fraction of it reached. Then the longest prompt each method fits.
+Builds a Llama-2-7B-shaped model (MHA, as the paper's LWM-7B; ``--models`` adds the Llama-3-8B
+shape, GQA) with random bf16 weights on the device (no weight files) and times decoding through
+the public ``generate_batch`` (the scheduler) with the full cache and with SnapKV@1024, through
+the eager step (``compile=False``) and the graph step (``compile=True``: the engine's compiled
+step, CUDA graphs where it captures them):
+- the batch grid: prompts of 16K-64K tokens at batch 1 and 2; then the longest prompt each fits;
+- ``--concurrent``: 1, 8 and 16 concurrent requests of 4K tokens, with tokens/s against one
+  request's (the engines one after the other, so that only one holds its cache buffers).
+Each figure stands beside the bandwidth floor of the same run ((weight bytes + KV bytes read per
+decode step) / device copy bandwidth), and each speedup beside its ceiling (full floor / SnapKV
+floor: the most the hardware allows) and the fraction of it reached.
 
 The run is bounded by construction: the clock starts with the process; a cell whose predicted
 time (FLOPs at the measured rate) or memory does not fit what is left is skipped, with the
 prediction recorded; results are rewritten atomically after every cell, an error in one cell is
 recorded and the run goes on, and a watchdog ends the process shortly after the deadline.
 
-    PYTHONPATH=. python benchmarks/gpu_decode.py OUT_DIR                  # the H200 run, ~5 min
+    PYTHONPATH=. python benchmarks/gpu_decode.py OUT_DIR                  # the H200 grid
+    PYTHONPATH=. python benchmarks/gpu_decode.py OUT_DIR --concurrent     # 1 / 8 / 16 requests
     PYTHONPATH=. python benchmarks/gpu_decode.py --tiny --device cpu OUT  # the same code, tiny, on CPU
 """
 
@@ -41,6 +45,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]  # a copied tree works without inst
 
 import torch  # noqa: E402
 
+from gpu_report import describe, finish, table, throughput  # noqa: E402
 from gpu_support import (CostModel, Device, ResultFile, Watchdog, floor_ms, kv_bytes_per_token,  # noqa: E402
                          random_prompt, weight_bytes_read, word_tokenizer)
 
@@ -56,15 +61,12 @@ TINY_MODELS = {
     "tiny-gqa": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                  "intermediate_size": 128, "vocab_size": 4096, "rope_theta": 10000.0},
 }
-METHODS = ("full", "snapkv", "full_compiled", "snapkv_compiled")
 WARM_STEPS = 3  # decode steps left out of the steady-state figure (first use, CUDA-graph capture)
 
 
-def build_llm(shape: dict, device: Device, dtype: torch.dtype, tokenizer, compile_mode):
-    """A random-weight Llama of ``shape`` on the device, wrapped as a SnapKVLLM (plain or compiled)."""
+def build_model(shape: dict, device: Device, dtype: torch.dtype, tokenizer):
+    """A random-weight Llama of ``shape`` on the device whose answers never end early."""
     from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from snapkv_rag import SnapKVLLM
 
     shape = dict(shape)
     theta = shape.pop("rope_theta")
@@ -77,15 +79,17 @@ def build_llm(shape: dict, device: Device, dtype: torch.dtype, tokenizer, compil
     with torch.no_grad():  # random weights must not stop: the EOS logit is 0, the largest of 30K+ is not
         model.lm_head.weight[tokenizer.eos_token_id].zero_()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    plain = SnapKVLLM(model=model, tokenizer=tokenizer, snapkv=False)
-    compiled = None if compile_mode is None else SnapKVLLM(model=model, tokenizer=tokenizer, snapkv=False,
-                                                           compile=compile_mode)
-    return plain, compiled
+    return model
 
 
 def run_cell(llm, device: Device, prompt: tuple[str, list[str]], batch: int, budget: int | None,
              steps: int) -> dict:
-    """One (prompt, batch, method): steady decode ms/token, prefill time, peak memory."""
+    """One (prompt, batch, method): ``batch`` concurrent requests through the scheduler
+    (``generate_batch``); steady decode ms/token, prefill time, peak memory.
+
+    The requests join one after another, so the figure comes from the first one's steps after
+    the last one joined (its first ``batch - 1`` steps ran fewer rows) and after ``WARM_STEPS``
+    more; it decodes ``steps + batch`` tokens, so that ``steps - WARM_STEPS`` steps remain."""
     from snapkv_rag import GenerationOutOfMemoryError, SnapKVConfig
 
     question, docs = prompt
@@ -95,18 +99,20 @@ def run_cell(llm, device: Device, prompt: tuple[str, list[str]], batch: int, bud
     started = time.perf_counter()
     try:
         results = llm.generate_batch([question] * batch, [docs] * batch, batch_size=batch,
-                                     max_new_tokens=steps + 1, snapkv=config)
+                                     max_new_tokens=steps + batch, snapkv=config, ignore_eos=True)
     except (torch.OutOfMemoryError, GenerationOutOfMemoryError) as error:
         return {"status": "OOM", "error": str(error).splitlines()[0], "wall_s": time.perf_counter() - started}
     finally:
         device.clean()
     result = results[0]
     step_ms = result.timings.decode_step_ms
-    steady = step_ms[WARM_STEPS:] or step_ms
+    left_out = batch - 1 + WARM_STEPS
+    steady = step_ms[left_out:] or step_ms
     return {"status": "ok", "prompt_tokens": result.usage.prompt_tokens,
-            "completion_tokens": result.usage.completion_tokens,
+            "completion_tokens": result.usage.completion_tokens, "steps_left_out": min(left_out, len(step_ms)),
             "decode_ms_per_token": statistics.median(steady), "decode_ms_first_steps": step_ms[:WARM_STEPS],
             "decode_ms_mean_all_steps": result.timings.decode_ms_per_token, "prefill_s": result.timings.prefill_s,
+            "batch_seen": max(r.timings.batch_size for r in results),
             "selection_ms": result.compression.selection_ms, "kept_tokens_max": max(result.compression.kept_tokens),
             "peak_bytes": device.peak_bytes(), "peak_above_start_bytes": device.peak_bytes() - base,
             "wall_s": time.perf_counter() - started}
@@ -143,47 +149,70 @@ class Run:
                     "where": traceback.format_exc().splitlines()[-3:]}
 
     def model(self, name: str, shape: dict, dtype: torch.dtype, compile_mode) -> dict:
+        """Every cell of one model. The batch grid runs every method at one size before the next
+        (complete cells first), its two engines side by side; the concurrent run goes engine by
+        engine, closing each before the next starts, so that only one holds its buffers."""
         args, device = self.args, self.device
         entry: dict = {"shape": shape, "cells": []}
         self.results.report["models"][name] = entry
-        plain, compiled = build_llm(shape, device, dtype, self.tokenizer, compile_mode)
-        model = plain.model
+        model = build_model(shape, device, dtype, self.tokenizer)
         weights, per_token = weight_bytes_read(model), kv_bytes_per_token(model)
         cost = CostModel(model, first_rate_flops=2.5e14 if device.cuda else 2e10,
                          first_compile_s=args.compile_estimate_s)
-        entry.update(weight_bytes_read_per_step=weights, kv_bytes_per_token=per_token,
+        entry.update(weight_bytes_read_per_step=weights, kv_bytes_per_token=per_token, compile_mode=compile_mode,
                      free_bytes_after_load=device.free_bytes(), allocated_bytes_after_load=device.allocated_bytes())
         print(f"{name}: {weights / 2**30:.1f} GiB of weights read per step, {per_token / 2**10:.0f} KiB KV/token, "
               f"{entry['free_bytes_after_load'] / 2**30:.1f} GiB free", flush=True)
-        small = 2 * args.budget
-        warm = {}
-        for batch in args.batches:  # untimed: first-use costs of the plain path stay out of the cells
-            warm[batch] = self.attempt(f"{name} warm-up x{batch}", cost.seconds(small, batch, 4, 1.0, prefills=2),
-                                       lambda b=batch: [run_cell(plain, device, self.prompt(plain, small), b, budget,
-                                                                 4) for budget in (None, args.budget)][-1])
-        entry["warm_up"] = warm
         cells = {(size, batch): {"size": size, "batch": batch} for size in args.sizes for batch in args.batches}
         entry["cells"] = list(cells.values())
-        passes = [("full", None, plain), ("snapkv", args.budget, plain)]
-        if compiled is not None:
-            passes += [("full_compiled", None, compiled), ("snapkv_compiled", args.budget, compiled)]
-        for size in args.sizes:  # every method at one size before the next size: complete cells first
-            for method, budget, llm in passes:
-                if llm is compiled and "compile_s" not in entry:
-                    entry["compile_s"] = self.compile(name, compiled, cost)
+        kinds = ["eager"] + ([] if compile_mode is None else ["graph"])
+        order = ([(kind, size) for kind in kinds for size in args.sizes] if args.concurrent
+                 else [(kind, size) for size in args.sizes for kind in kinds])
+        engines: dict = {}
+        for i, (kind, size) in enumerate(order):
+            if kind not in engines:
+                engines[kind] = self.engine(name, model, kind, compile_mode, cost, entry)
+            suffix = "_compiled" if kind == "graph" else ""
+            for method, budget in (("full" + suffix, None), ("snapkv" + suffix, args.budget)):
                 for batch in args.batches:
                     cell = cells[size, batch]
-                    cell[method] = self.cell(name, llm, method, budget, size, batch, cost, weights, per_token, entry)
+                    cell[method] = self.cell(name, engines[kind], method, budget, size, batch, cost, weights,
+                                             per_token, entry)
                     finish(cell)
+                    throughput(entry["cells"])
                     self.results.write()
                     print(f"  {name} {size} x{batch} {method}: {describe(cell[method])}", flush=True)
-        if not args.no_longest:
-            entry["longest"] = {m: self.longest(name, plain, entry, m, b, cost)
+            if args.concurrent and (i + 1 == len(order) or order[i + 1][0] != kind):
+                engines.pop(kind).close()
+                device.clean()
+        if not args.no_longest and not args.concurrent:
+            entry["longest"] = {m: self.longest(name, engines["eager"], entry, m, b, cost)
                                 for m, b in (("full", None), ("snapkv", args.budget))}
             self.results.write()
-        del plain, compiled, model
+        for llm in engines.values():
+            llm.close()
+        del engines, model
         device.clean()
         return entry
+
+    def engine(self, name: str, model, kind: str, compile_mode, cost: CostModel, entry: dict):
+        """A SnapKVLLM on ``model``, eager or graph (``compile_mode``), for as many concurrent
+        requests as the largest batch, after untimed calls that pay its first-use costs: the
+        eager path's warm-up, or the compilation (and graph capture) of the step, whose time is
+        recorded per batch size."""
+        from snapkv_rag import SnapKVLLM
+
+        llm = SnapKVLLM(model=model, tokenizer=self.tokenizer, snapkv=False, max_batch=max(self.args.batches),
+                        compile=False if kind == "eager" else compile_mode)
+        small = 2 * self.args.budget
+        if kind == "graph":
+            entry["compile_s"] = self.compile(name, llm, cost)
+            return llm
+        entry["warm_up"] = {batch: self.attempt(
+            f"{name} warm-up x{batch}", cost.seconds(small, batch, 4, 1.0, prefills=2),
+            lambda b=batch: [run_cell(llm, self.device, self.prompt(llm, small), b, budget, 4)
+                             for budget in (None, self.args.budget)][-1]) for batch in self.args.batches}
+        return llm
 
     def compile(self, name: str, compiled, cost: CostModel) -> dict:
         """Untimed calls that compile the step (and capture its CUDA graphs) for each batch size,
@@ -205,17 +234,18 @@ class Run:
 
     def cell(self, name, llm, method, budget, size, batch, cost: CostModel, weights, per_token, entry) -> dict:
         args = self.args
-        cached = (size if budget is None else min(size, budget)) + args.steps / 2
+        steps = args.steps + batch  # what run_cell decodes
+        cached = (size if budget is None else min(size, budget)) + steps / 2
         read, floor = floor_ms(weights, per_token, batch, cached, self.bandwidth)
         base = {"floor_bytes_read": read, "floor_ms_per_token": floor}
         if method.endswith("compiled") and any(v["status"] != "ok" for v in entry["compile_s"].values()):
             return {"status": "skipped (not compiled)", **base}
-        need = cost.bytes_needed(size, batch, args.steps)
+        need = cost.bytes_needed(size, batch, steps)
         free = self.device.free_bytes()
         if need > 0.95 * free:
             return {"status": "OOM", "error": f"predicted: needs {need / 2**30:.1f} GiB (KV and activations), "
                                               f"{free / 2**30:.1f} GiB free", **base}
-        predicted = cost.seconds(size, batch, args.steps, floor)
+        predicted = cost.seconds(size, batch, steps, floor)
         outcome = self.attempt(f"{name} {size} x{batch} {method}", predicted,
                                lambda: run_cell(llm, self.device, self.prompt(llm, size), batch, budget, args.steps))
         outcome.update(base, predicted_s=predicted)
@@ -254,66 +284,19 @@ class Run:
         return out
 
 
-def finish(cell: dict) -> None:
-    """Speedups beside their ceilings: full / SnapKV at the floor is the most the hardware allows."""
-    ok = lambda m: cell.get(m, {}).get("status") == "ok"  # noqa: E731
-    for suffix in ("", "_compiled"):
-        full, snap = "full" + suffix, "snapkv" + suffix
-        if ok(full) and ok(snap):
-            speedup = cell[full]["decode_ms_per_token"] / cell[snap]["decode_ms_per_token"]
-            ceiling = cell[full]["floor_ms_per_token"] / cell[snap]["floor_ms_per_token"]
-            cell["speedup" + suffix] = speedup
-            cell["ceiling" + suffix] = ceiling
-            cell["fraction_of_ceiling" + suffix] = speedup / ceiling
-    for method in ("full", "snapkv"):
-        if ok(method) and ok(method + "_compiled"):
-            cell[f"compile_gain_{method}"] = (cell[method]["decode_ms_per_token"]
-                                             / cell[method + "_compiled"]["decode_ms_per_token"])
-
-
-def describe(outcome: dict) -> str:
-    if outcome["status"] != "ok":
-        return f"[{outcome['status']}] {outcome.get('reason') or outcome.get('error') or ''}"
-    return (f"{outcome['decode_ms_per_token']:.2f} ms/token ({outcome['ratio_to_floor']:.2f}x floor), prefill "
-            f"{outcome['prefill_s']:.2f} s, peak {outcome['peak_bytes'] / 2**30:.1f} GiB")
-
-
-def table(report: dict) -> str:
-    lines = ["| model | prompt | batch | full ms/token (x floor) | SnapKV (x floor) | speedup / ceiling | "
-             "full compiled (x floor) | SnapKV compiled (x floor) | speedup / ceiling compiled | peak GiB full / "
-             "SnapKV |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, entry in report["models"].items():
-        for cell in entry.get("cells", []):
-            def show(m: str) -> str:
-                c = cell.get(m, {"status": "-"})
-                return (f"{c['decode_ms_per_token']:.2f} ({c['ratio_to_floor']:.2f}x)" if c["status"] == "ok"
-                        else c["status"])
-
-            def speed(suffix: str) -> str:
-                key = "speedup" + suffix
-                return f"{cell[key]:.2f}x / {cell['ceiling' + suffix]:.2f}x" if key in cell else "-"
-
-            def peak(m: str) -> str:
-                c = cell.get(m, {})
-                return f"{c['peak_bytes'] / 2**30:.1f}" if c.get("status") == "ok" else "-"
-
-            lines.append(f"| {name} | {cell['size']} | {cell['batch']} | {show('full')} | {show('snapkv')} | "
-                         f"{speed('')} | {show('full_compiled')} | {show('snapkv_compiled')} | {speed('_compiled')} | "
-                         f"{peak('full')} / {peak('snapkv')} |")
-        for method, fit in entry.get("longest", {}).items():
-            lines.append(f"| {name} | longest ({method}) | 1 | {fit.get('status')}: "
-                         f"{fit.get('verified_tokens', fit.get('estimate_tokens', '-'))} tokens | | | | | | |")
-    return "\n".join(lines)
-
-
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir", type=Path, help="folder to write gpu_decode.json into (rewritten after every cell)")
+    p.add_argument("out_dir", type=Path, help="folder to write gpu_decode.json (or gpu_concurrent.json) into, "
+                   "rewritten after every cell")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny configs and prompts: a test of the code path")
     p.add_argument("--models", nargs="+", default=None, help=f"subset of {list(MODELS)} (or of {list(TINY_MODELS)})")
-    p.add_argument("--sizes", type=int, nargs="+", default=None, help="prompt lengths (default 16K 32K 64K)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="prompt lengths (default 16K 32K 64K; "
+                   "with --concurrent 4K)")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="requests decoded together (default 1 2; "
+                   "with --concurrent 1 8 16)")
+    p.add_argument("--concurrent", action="store_true", help="the concurrency run: many requests at a moderate "
+                   "length, engine by engine, tokens/s against one request's; writes gpu_concurrent.json")
     p.add_argument("--budget", type=int, default=None, help="SnapKV max_capacity_prompt (default 1024; tiny 64)")
     p.add_argument("--steps", type=int, default=32, help="decode steps per cell; the first 3 are left out of "
                    "the steady-state ms/token (default 32)")
@@ -323,10 +306,17 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-estimate-s", type=float, default=None, help="predicted first compile time before "
                    "one is measured (default 120 on CUDA, 60 on CPU)")
     p.add_argument("--no-longest", action="store_true", help="skip the longest-prompt estimate and check")
-    p.add_argument("--no-compile", action="store_true", help="leave out the compiled methods")
+    p.add_argument("--no-compile", action="store_true", help="leave out the graph (compiled) methods")
+    p.add_argument("--compile-mode", default="True", help="the engines' compile= for the graph methods: True "
+                   "(default) or a torch.compile mode name")
     args = p.parse_args(argv)
     args.budget = args.budget or (64 if args.tiny else 1024)
+    if args.concurrent:
+        args.sizes = args.sizes or ([128] if args.tiny else [4096])
+        args.batches = args.batches or ([1, 2, 4] if args.tiny else [1, 8, 16])
     args.sizes = args.sizes or ([256, 512] if args.tiny else [16384, 32768, 65536])
+    args.batches = args.batches or [1, 2]
+    args.compile_mode = True if args.compile_mode == "True" else args.compile_mode
     return args
 
 
@@ -336,15 +326,16 @@ def main(argv=None) -> int:
     if args.compile_estimate_s is None:
         args.compile_estimate_s = 120.0 if device.cuda else 60.0
     models = TINY_MODELS if args.tiny else MODELS
-    names = args.models or list(models)
+    names = args.models or (list(models) if args.tiny else ["llama2-7b"])
     unknown = [n for n in names if n not in models]
     if unknown:
         raise SystemExit(f"--models: unknown {unknown}; choose from {list(models)}")
     dtype = torch.float32 if (args.tiny and not device.cuda) else torch.bfloat16
-    compile_mode = None if args.no_compile else ("reduce-overhead" if device.cuda else True)
+    compile_mode = None if args.no_compile else args.compile_mode
     deadline = STARTED + args.time_budget_s
-    results = ResultFile(args.out_dir / "gpu_decode.json", {
-        "benchmark": "gpu_decode", "device": device.name(), "dtype": str(dtype).removeprefix("torch."),
+    results = ResultFile(args.out_dir / ("gpu_concurrent.json" if args.concurrent else "gpu_decode.json"), {
+        "benchmark": "gpu_decode", "concurrent": args.concurrent, "device": device.name(),
+        "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__, "budget": args.budget, "steps": args.steps, "warm_steps_left_out": WARM_STEPS,
         "sizes": args.sizes, "batches": args.batches, "tiny": args.tiny, "time_budget_s": args.time_budget_s,
         "command": "python benchmarks/gpu_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),

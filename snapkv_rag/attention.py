@@ -12,6 +12,9 @@ attention call):
   viewed as ``[B, H_kv, H/H_kv, D]`` so that the ``[B, H_kv, 1, S]`` mask broadcasts and no KV head
   is repeated.
 
+A call serves the layer whose K/V the model handed the cache last (``cache.attending``), not
+``module.layer_idx``: Zamba's shared attention block is one module used at several layers.
+
 Without ``snapkv_cache`` a wrapper is exactly its base implementation, so a model switched to it
 behaves as before for any other caller. :func:`detach` switches it back.
 """
@@ -81,11 +84,12 @@ def _plain(kwargs: dict, query, key, value) -> bool:
 def _make_wrapper(base: str):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         cache = kwargs.pop(CACHE_KWARG, None)
-        layer = cache.layers[module.layer_idx] if cache is not None else None
+        index = cache.attending if cache is not None else None  # (module.layer_idx: None in Zamba's shared blocks)
+        layer = cache.layers[index] if cache is not None else None
         if isinstance(layer, PromptLayer):  # the prompt: attend as the model does, then compress
             output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
             if cache.compress is not None:
-                cache.compress(module.layer_idx, query, key, scoring_of(module, kwargs))
+                cache.compress(index, query, key, scoring_of(module, kwargs))
             return output
         if not isinstance(layer, SlotLayer):
             return _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
@@ -96,7 +100,7 @@ def _make_wrapper(base: str):
             function = _base_function("sdpa" if base == "flash_attention_2" else base, module)
             output = function(module, query, key, value, _decode_mask(valid, query, base), *args, **kwargs)
         if cache.recorder is not None:
-            cache.recorder(module.layer_idx, query, key, scoring_of(module, kwargs))
+            cache.recorder(index, query, key, scoring_of(module, kwargs))
         return output
 
     attention.__name__ = f"{PREFIX}{base}"

@@ -1,4 +1,5 @@
-"""The prompt's side of the cache: layer kinds, and one request's compressed prompt cache as a value.
+"""The prompt's side of the cache: one request's compressed prompt cache as a value, per layer kind
+(the kinds are read in :mod:`snapkv_rag.layer_kinds`, re-exported here).
 
 - ``full``: full attention: the kept prompt positions (all of them, or what a method selected).
 - ``sliding``: a sliding-window layer (window ``W``: a query at position ``p`` sees ``p - W < k <= p``).
@@ -6,8 +7,11 @@
   a method compresses inside that share when it exceeds the budget. A window longer than the
   prompt makes it a full layer for the prompt; positions leaving the window while decoding are
   masked out (:mod:`snapkv_rag.slots`).
-- ``recurrent``: linear-attention / recurrent state (Qwen3-Next): transformers' own layer object,
-  passed through untouched.
+- ``recurrent``: linear-attention / Mamba / conv state (Qwen3-Next, Nemotron-H, LFM2): transformers'
+  own layer object, passed through untouched; ``none`` (MLP / MoE-only layers): nothing held.
+- an attention kind whose spec has ``state`` (Falcon-H1, Zamba): attention and a Mamba state in one
+  layer; the attention part is compressed exactly like a plain layer of its kind and the state is
+  carried beside it (:attr:`LayerKV.state`), as a recurrent layer's is.
 - ``latent``: multi-head latent attention (DeepSeek-V2/V3): compressed like a full layer, with one
   selection shared by all heads.
 
@@ -29,61 +33,24 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from . import compression
 from .config import RandomConfig
-
-FULL, SLIDING, RECURRENT, LATENT = "full", "sliding", "recurrent", "latent"
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    kind: str
-    window: int | None = None  # sliding layers: the attention window W
-
-
-class UnsupportedModelError(ValueError):
-    """The model has a layer kind this cache does not handle; the message names the model type."""
-
-
-def layer_specs(config) -> list[LayerSpec]:
-    """The kind of every decoder layer of a model, read from the cache transformers itself builds
-    for that config (so it follows the installed version's own rules)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    model_type = getattr(config, "model_type", type(config).__name__)
-    types = getattr(text, "layer_types", None) or []
-    odd = sorted({t for t in types if t not in ("full_attention", "sliding_attention", "linear_attention")})
-    if odd:
-        raise UnsupportedModelError(
-            f"model type {model_type!r} has {', '.join(odd)} layers; snapkv-rag supports full attention, sliding "
-            "window attention and linear-attention (recurrent) layers")
-    layers = list(DynamicCache(config=config).layers)
-    count = text.num_hidden_layers
-    specs = []
-    for i in range(count):
-        layer = layers[i] if i < len(layers) else DynamicLayer()
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            specs.append(LayerSpec(SLIDING, int(layer.sliding_window)))
-        elif type(layer) is DynamicLayer:
-            specs.append(LayerSpec(LATENT if getattr(text, "kv_lora_rank", None) else FULL))
-        elif "LinearAttention" in type(layer).__name__ and not isinstance(layer, DynamicLayer):
-            specs.append(LayerSpec(RECURRENT))
-        else:
-            raise UnsupportedModelError(
-                f"model type {model_type!r}: layer {i} uses a {type(layer).__name__} cache; snapkv-rag supports full "
-                "attention, sliding window attention and linear-attention (recurrent) layers")
-    return specs
+from .layer_kinds import (FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec, UnsupportedModelError,  # noqa: F401
+                          layer_specs)  # (re-exported: where callers found them before)
 
 
 @dataclass
 class LayerKV:
     """One attention layer of one request's compressed prompt: ``keys``/``values`` ``[1, H_kv, n, D]``
-    and the original prompt position of each slot, ``positions`` ``[1, H_kv, n]``."""
+    and the original prompt position of each slot, ``positions`` ``[1, H_kv, n]``; for a hybrid layer
+    also its conv / SSM ``state`` after the prompt (a transformers ``LinearAttentionLayer``)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
+    state: LinearAttentionLayer | None = None
 
     @property
     def slots(self) -> int:
@@ -93,7 +60,7 @@ class LayerKV:
 @dataclass
 class Compressed:
     """One request's compressed prompt cache under one method (``None``: the full cache): per layer a
-    :class:`LayerKV`, or a recurrent layer's transformers state object."""
+    :class:`LayerKV`, a recurrent layer's transformers state object, or ``None`` (an MLP-only layer)."""
 
     method: Any
     specs: list[LayerSpec]
@@ -102,9 +69,11 @@ class Compressed:
     selection_s: float = 0.0
 
     def kept_tokens(self) -> list[int]:
-        """Prompt positions held per layer (a recurrent layer's fixed-size state summarises the whole
-        prompt: reported as the prompt length)."""
-        return [layer.slots if isinstance(layer, LayerKV) else self.prompt_tokens for layer in self.layers]
+        """Prompt positions held per layer, which says which layers were compressed (a recurrent
+        layer's fixed-size state summarises the whole prompt: reported as the prompt length; an
+        MLP-only layer holds nothing: 0)."""
+        return [layer.slots if isinstance(layer, LayerKV) else 0 if spec.kind == NONE else self.prompt_tokens
+                for spec, layer in zip(self.specs, self.layers)]
 
     def kept_positions(self) -> dict[int, torch.Tensor]:
         """Per attention layer, the prompt positions ``[1, H_kv, n]`` it holds."""
@@ -148,14 +117,53 @@ class PromptLayer(DynamicLayer):
         return -1
 
 
-class PromptCache(DynamicCache):
+class PromptHybridLayer(LinearAttentionLayer, PromptLayer):
+    """A hybrid layer while the prompt runs (Falcon-H1's parallel attention + Mamba, Zamba's shared
+    attention block before its Mamba layer): the attention part is a :class:`PromptLayer`; the conv /
+    SSM states are written by transformers' own ``LinearAttentionLayer`` code (first in the MRO, so
+    that its ``lazy_initialization`` is the one the state updates call)."""
+
+    def __init__(self, spec: LayerSpec, number_of_states: int):
+        PromptLayer.__init__(self, spec)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+
+_STATE = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
+          "has_previous_state", "conv_kernel_size", "dtype", "device")
+
+
+def move_state(source: LinearAttentionLayer, target: LinearAttentionLayer) -> None:
+    """Hand ``source``'s conv / SSM states (the tensors themselves, not copies) and their flags to
+    ``target``: a hybrid layer's state goes from the prompt cache into a :class:`LayerKV`, and from
+    there into the slot cache's layer, as a recurrent layer's state object does."""
+    for name in _STATE:
+        value = getattr(source, name)
+        setattr(target, name, dict(value) if isinstance(value, dict) else value)
+
+
+class LayerTrackingCache(DynamicCache):
+    """transformers' ``DynamicCache`` that remembers the layer whose K/V ``update`` was called for
+    last: the layer whose attention runs next. The attention function reads it instead of the
+    module's ``layer_idx``, which Zamba's shared attention block does not have (one module, used at
+    several layers, each with its own cache entry)."""
+
+    attending = 0
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self.attending = layer_idx
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class PromptCache(LayerTrackingCache):
     """The cache a prompt's forward pass runs with. Subclasses transformers' ``DynamicCache`` only so
-    that the model's own code (mask sizes, recurrent-state accessors) finds what it calls."""
+    that the model's own code (mask sizes, recurrent-state accessors) finds what it calls. Layers
+    without per-token K/V (recurrent, MLP-only) are transformers' own objects."""
 
     def __init__(self, model_config, specs: list[LayerSpec]):
         super().__init__(config=model_config)
         layers = list(self.layers) + [None] * (len(specs) - len(self.layers))
-        self.layers = [layer if spec.kind == RECURRENT else PromptLayer(spec) for spec, layer in zip(specs, layers)]
+        self.layers = [layer if not spec.attends else PromptHybridLayer(spec, layer.number_of_states) if spec.state
+                       else PromptLayer(spec) for spec, layer in zip(specs, layers)]
         self.layer_class_to_replicate = None
         self.specs = specs
         self.compress: Any = None  # set inside compressing(): called after each layer's attention
@@ -198,7 +206,8 @@ def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[in
     """While open, the forward pass of a prompt of rows with ``lengths`` real tokens (left padded) run
     with ``cache`` compresses every attention layer right after its attention, once per method of
     ``methods`` (name -> config, ``None`` for the full cache). Yields name -> one :class:`Compressed`
-    per row, complete when the block ends (recurrent layers: each gets its own copy of the state)."""
+    per row, complete when the block ends (recurrent layers and hybrid layers' states: each gets its
+    own copy of the state)."""
     if not methods:
         raise ValueError("compression: give at least one method")
     compressor = _Compressor(cache, dict(methods), list(lengths))
@@ -214,13 +223,22 @@ def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[in
         raise UnsupportedModelError(
             f"layers {missed} never called the registered attention function with our cache: this model's code "
             "does not pass attention keyword arguments through, so snapkv-rag cannot compress it")
-    recurrent = [i for i, spec in enumerate(cache.specs) if spec.kind == RECURRENT]
-    if recurrent and len(lengths) > 1:
+    if any(spec.state for spec in cache.specs) and len(lengths) > 1:
         raise ValueError("a prompt batch of a model with recurrent layers: prefill one prompt at a time")
     copies = [c for per_row in compressor.out.values() for c in per_row]
-    for n, compressed in enumerate(copies):
-        for i in recurrent:  # the last one takes the state itself, the others a copy
-            compressed.layers[i] = cache.layers[i] if n == len(copies) - 1 else copy.deepcopy(cache.layers[i])
+    for i, spec in enumerate(cache.specs):
+        if not spec.state:
+            continue
+        state = cache.layers[i]
+        if spec.attends:  # a hybrid layer: its state alone, beside the kept K/V
+            state = LinearAttentionLayer(number_of_states=state.number_of_states)
+            move_state(cache.layers[i], state)
+        for n, compressed in enumerate(copies):  # the last one takes the state itself, the others a copy
+            own = state if n == len(copies) - 1 else copy.deepcopy(state)
+            if spec.attends:
+                compressed.layers[i].state = own
+            else:
+                compressed.layers[i] = own
 
 
 def compress_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, query: torch.Tensor, keys: torch.Tensor,

@@ -61,11 +61,15 @@ def _quiet_loading(args) -> None:
     hf_logging.disable_progress_bar()
 
 
+def _check_new_tokens(args) -> None:
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+
+
 def _engine(args, snapkv, **engine_options):
     import torch
 
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    _check_new_tokens(args)
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: no CUDA device is available here; use --device cpu")
     _quiet_loading(args)
@@ -187,9 +191,17 @@ def cmd_serve(args) -> int:
     key = serve_options.check(args)
     config = _config(args)
     settings = _compression(args)
-    llm = _engine(args, config, max_batch=args.max_batch)
     base = config or _snapkv(settings["budget"], settings)
-    return serve_options.run(llm, serve_options.settings(args, key, llm, config, base), args)
+    if args.replicas:  # each Ray Serve replica loads its own engine
+        from .loading import DEFAULT_MODEL_NAME
+        from .server import replicas
+
+        _check_new_tokens(args)
+        engine = {"model": args.model, "device": args.device, "dtype": args.dtype, "snapkv": config,
+                  "max_new_tokens": args.max_new_tokens, "max_batch": args.max_batch}
+        return replicas.run(engine, serve_options.settings(args, key, DEFAULT_MODEL_NAME, config, base), args)
+    llm = _engine(args, config, max_batch=args.max_batch)
+    return serve_options.run(llm, serve_options.settings(args, key, llm.model_name, config, base), args)
 
 
 def cmd_eval(argv: list[str]) -> int:

@@ -275,7 +275,7 @@ class SnapKVLLM:
                 raise ValueError("response_format: cannot be combined with a tool call (tool_choice "
                                  f"{plan.choice!r}); use tool_choice='none' for a structured text answer")
             options["response_format"] = plan.response_format
-        return self.request(messages, documents, options.get("cite", "text"), plan and plan.tools), options, plan
+        return self.request(messages, documents, options.get("cite", "text"), plan and plan.shown), options, plan
 
     def _options(self, options: dict, *requests: Request) -> tuple[SamplingOptions, list[str], Any]:
         unknown = set(options) - set(OPTIONS)

@@ -88,7 +88,7 @@ class Runner:
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
-        self.specs = layer_specs(model.config)
+        self.specs = layer_specs(model.config, model)  # (refuses an unsupported model here, before any work)
         self.device = next(model.parameters()).device
         self._steps: dict[tuple, Callable[[], torch.Tensor]] = {}
         self._host: torch.Tensor | None = None

@@ -236,7 +236,7 @@ class Scheduler:
                 return _STOP
             while self._waiting and self._waiting[0].ticket.cancelled.is_set():
                 self._waiting.popleft()
-            recurrent = any(spec.kind == "recurrent" for spec in self.runner.specs)  # one row: see slots.py
+            recurrent = any(spec.state for spec in self.runner.specs)  # recurrent or hybrid: one row (slots.py)
             limit = 1 if recurrent else self.max_batch
             head = self._waiting[0] if self._waiting else None
             if head is not None and head.group is not None and not head.group.together and any(

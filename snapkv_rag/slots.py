@@ -14,8 +14,11 @@ sliding layer also drops what left its window), without a host sync; :meth:`Slot
 advances the rows in use. A row of the bucket holding no request writes at its slot 0 and attends
 to it: its numbers stay finite and its token is ignored.
 
-Recurrent layers (linear attention state) are transformers' own objects, one request at a time:
-a model with them decodes with one row (see the README for the per-row state design).
+Recurrent layers (Mamba / linear attention / conv state) are transformers' own objects, one
+request at a time; a hybrid layer (attention + Mamba state in one layer) has its attention part in
+slots like any attention layer and carries its state beside it, likewise one request at a time: a
+model with either decodes with one row (see the README for the per-row state design). Layers with
+no cache (MLP / MoE only) are transformers' own placeholders.
 """
 
 from __future__ import annotations
@@ -23,10 +26,9 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from .cache import RECURRENT, SLIDING, Compressed, LayerKV, LayerSpec
+from .cache import SLIDING, Compressed, LayerKV, LayerSpec, LayerTrackingCache, move_state
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
 MIN_CAPACITY = 256
@@ -79,7 +81,17 @@ class SlotLayer(DynamicLayer):
         return -1
 
 
-class SlotCache(DynamicCache):
+class SlotHybridLayer(LinearAttentionLayer, SlotLayer):
+    """A hybrid layer's slots: the attention part as a :class:`SlotLayer`, the conv / SSM states (the
+    joining request's, handed over by :meth:`SlotCache.join`) updated in place by transformers' own
+    ``LinearAttentionLayer`` code (as in :class:`~snapkv_rag.cache.PromptHybridLayer`)."""
+
+    def __init__(self, spec: LayerSpec, cache: SlotCache, index: int, number_of_states: int):
+        SlotLayer.__init__(self, spec, cache, index)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+
+class SlotCache(LayerTrackingCache):
     """The running batch's cache: at most ``max_rows`` requests (one for models with recurrent layers).
     When the last row leaves, the buffers are given back, unless ``keep`` (compiled steps: their
     graphs belong to one allocation, so it stays for the next requests)."""
@@ -88,15 +100,16 @@ class SlotCache(DynamicCache):
                  keep: bool = False):
         super().__init__(config=model_config)
         layers = list(self.layers) + [None] * (len(specs) - len(self.layers))
-        self.recurrent = any(spec.kind == RECURRENT for spec in specs)
+        self.recurrent = any(spec.state for spec in specs)  # recurrent or hybrid layers: one row
         self.max_rows = 1 if self.recurrent else max_rows
         self.specs, self.device, self.keep = specs, device, keep
-        attention = [i for i, spec in enumerate(specs) if spec.kind != RECURRENT]
-        self.layers = [layer if spec.kind == RECURRENT else SlotLayer(spec, self, attention.index(i))
+        attention = [i for i, spec in enumerate(specs) if spec.attends]
+        self.layers = [layer if not spec.attends else SlotLayer(spec, self, attention.index(i)) if not spec.state
+                       else SlotHybridLayer(spec, self, attention.index(i), layer.number_of_states)
                        for i, (spec, layer) in enumerate(zip(specs, layers))]
         self.layer_class_to_replicate = None
         self.attention = [self.layers[i] for i in attention]
-        windows = [spec.window if spec.kind == SLIDING else 1 << 62 for spec in specs if spec.kind != RECURRENT]
+        windows = [spec.window if spec.kind == SLIDING else 1 << 62 for spec in specs if spec.attends]
         self.window = torch.tensor(windows, dtype=torch.long, device=device)[:, None]
         self.sliding = any(spec.kind == SLIDING for spec in specs)
         self.rows = self.capacity = 0
@@ -127,9 +140,11 @@ class SlotCache(DynamicCache):
                 self.positions[slot_layer.index, row] = -1
                 self.positions[slot_layer.index, row, :, start - n:start] = kv.positions[0]
             self.counters[:, row] = torch.tensor([start, compressed.prompt_tokens, 1, token])
-        for i, layer in enumerate(compressed.layers):
-            if not isinstance(layer, LayerKV) and layer is not None:
-                self.layers[i] = layer  # a recurrent state: this model decodes one row
+        for i, layer in enumerate(compressed.layers):  # states: this model decodes one row
+            if isinstance(layer, LayerKV) and layer.state is not None:
+                move_state(layer.state, self.layers[i])  # a hybrid layer's, beside its K/V
+            elif not isinstance(layer, LayerKV) and layer is not None:
+                self.layers[i] = layer  # a recurrent layer's
         self.held[row], self.decoded[row] = held, 0
 
     def leave(self, row: int) -> None:

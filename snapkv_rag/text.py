@@ -98,7 +98,17 @@ def encode_request(tokenizer, messages: Sequence[Message], documents: Sequence[D
 
 
 class TextState:
-    """Incremental detokenisation of one row, with stop strings that never leak into the text."""
+    """Incremental detokenisation of one row, with stop strings that never leak into the text.
+
+    Each :meth:`push` decodes only a short window of tokens, never the whole answer: the tokens
+    from ``_prefix`` on, whose first part (up to ``_read``) was decoded already as
+    ``_prefix_text``, and the text past it is what the new token added. Decoding from a few
+    tokens back, rather than the new token alone, keeps tokenizers whose pieces depend on their
+    left neighbour (a sentencepiece word start) right. While the window's text ends in an
+    incomplete UTF-8 character (U+FFFD) the window is held open, so that the character comes out
+    whole once its last byte arrives; past ``HOLD`` tokens the bytes are taken as they are."""
+
+    HOLD = 8
 
     def __init__(self, tokenizer, stop: Sequence[str]):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
@@ -106,27 +116,42 @@ class TextState:
         self.emitted = 0
         self.text = ""
         self.finished: str | None = None
+        self._prefix = self._read = 0
+        self._prefix_text = ""
+        self._committed = ""  # the text of ids[:_read]
+        self._searched = 0  # stop strings cannot end before this index of the text any more
+        self._longest_stop = max(map(len, self.stop), default=0)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        window = self._decode(self.ids[self._prefix:])
+        added = window[len(self._prefix_text):]
+        if not added.endswith("\ufffd") or len(self.ids) - self._prefix > self.HOLD:
+            self._committed += added
+            self._prefix, self._read = self._read, len(self.ids)
+            self._prefix_text = self._decode(self.ids[self._prefix:self._read])
+            added = ""
+        self.text = self._committed + added.rstrip("\ufffd")
+        start = max(self._searched - self._longest_stop + 1, 0)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        self._searched = len(self.text)
         if hits:
             self.text, self.finished = self.text[: min(hits)], "stop"
             return self.flush()
         safe = len(self.text)
-        if self.text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            safe -= 1
         for s in self.stop:  # hold back what may be the start of a stop string
             for k in range(min(len(s) - 1, safe), 0, -1):
-                if self.text[:safe].endswith(s[:k]):
+                if self.text.endswith(s[:k], 0, safe):
                     safe -= k
                     break
         return self._emit(max(safe, self.emitted))
 
     def flush(self) -> str:
-        self.text = self.text.rstrip("\ufffd") if self.finished != "stop" else self.text
+        """The rest of the text once the row is finished (an incomplete last character is dropped)."""
         return self._emit(len(self.text))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _emit(self, upto: int) -> str:
         piece, self.emitted = self.text[self.emitted:upto], upto

@@ -33,6 +33,7 @@ from typing import Any
 CHOICES = ("auto", "required", "any", "none")
 TOOLS_PREAMBLE = ("You can call the tools below. To call one, reply with only a JSON object "
                   '{"name": <tool name>, "arguments": {<arguments>}}. Tools:')
+ANSWER_FROM_RESULTS = "Answer the question in words using this result: "
 
 
 def check_tools(tools: Any) -> list[dict]:
@@ -104,6 +105,12 @@ class ToolPlan:
         return cls(tools, choice, names if choice in ("auto", "required") else (choice,))
 
     @property
+    def shown(self) -> list[dict]:
+        """The tools the prompt lists: none when the model is to answer from a tool result (shown
+        them, the embedded model writes the call's JSON again instead of an answer)."""
+        return self.tools if self.call or self.choice == "none" else []
+
+    @property
     def response_format(self) -> dict | None:
         """The engine's ``response_format`` for this request (``None``: a text answer)."""
         if not self.call:
@@ -170,7 +177,9 @@ def render_without_tool_section(messages: list[dict], tools: list[dict] | None) 
     """Plain role/content messages for a template without a tools section: the tools as JSON
     lines after :data:`TOOLS_PREAMBLE` at the end of the system message (one is added first if
     there is none), each earlier call as its JSON on its own line of the assistant message, and
-    each run of tool results as one user message ``Tool result (name, id): content``."""
+    each run of tool results as one user message ``Tool result (name, id): content``; when the
+    results are last, that message ends by asking again for an answer to the last question
+    (:data:`ANSWER_FROM_RESULTS`), which a small model otherwise answers with another call's JSON."""
     out: list[dict] = []
     for m in messages:
         if m["role"] == "tool":
@@ -184,6 +193,9 @@ def render_without_tool_section(messages: list[dict], tools: list[dict] | None) 
             out.append({"role": "assistant", "content": "\n".join([m["content"], *lines] if m["content"] else lines)})
         else:
             out.append({"role": m["role"], "content": m["content"]})
+    if messages[-1]["role"] == "tool":
+        question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        out[-1]["content"] += f"\n{ANSWER_FROM_RESULTS}{question}"
     out = [{"role": m["role"], "content": m["content"]} for m in out]
     if tools:
         listing = "\n".join([TOOLS_PREAMBLE, *(json.dumps(t["function"]) for t in tools)])

@@ -1,4 +1,4 @@
-"""Tiny random-weight models of the transformers families the engine supports (2-3 layers,
+"""Tiny random-weight models of the transformers families the engine supports (2-10 layers,
 hidden size 64, built from the config classes: nothing is downloaded)."""
 
 from __future__ import annotations
@@ -46,6 +46,26 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                              qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                                              moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
                                              num_key_value_heads=4)),
+    # hybrids, in the layer patterns of published checkpoints: Nemotron-H-8B's "M-M-M-M*-" blocks (Mamba,
+    # MLP, attention) and Nemotron-3-Nano's "MEMEM*E" (MoE) blocks in one model
+    "nemotron-h": ("NemotronHConfig", dict(hybrid_override_pattern="M-M*-MEM*E", ssm_state_size=16, mamba_num_heads=8,
+                                           mamba_head_dim=16, n_groups=2, chunk_size=16, n_routed_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                           moe_shared_expert_intermediate_size=32)),
+    # Falcon-H1: attention and Mamba-2 in parallel in every layer, with its own multipliers
+    "falcon-h1": ("FalconH1Config", dict(num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=16,
+                                         mamba_chunk_size=16, key_multiplier=0.5, attention_in_multiplier=1.5,
+                                         ssm_multipliers=[1.0, 0.5, 1.0, 1.0, 0.5])),
+    # Zamba-7B's pattern (attn_layer_period 6): Mamba, Mamba, then a shared attention block before a Mamba layer
+    "zamba": ("ZambaConfig", dict(num_hidden_layers=4, num_key_value_heads=4, mamba_d_state=8)),
+    # Zamba2-1.2B: one shared attention block (with per-use LoRA adapters, multi-head) at two hybrid layers
+    "zamba2": ("Zamba2Config", dict(num_hidden_layers=5, num_key_value_heads=4, layers_block_type=["mamba", "mamba", "hybrid", "mamba", "hybrid"],
+                                    mamba_d_state=16, n_mamba_heads=4, chunk_size=16, num_mem_blocks=1,
+                                    use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True)),
+    # LFM2-350M's short-convolution layers with attention at some indices; LFM2-8B-A1B's MoE after dense layers
+    "lfm2": ("Lfm2Config", dict(num_hidden_layers=4, full_attn_idxs=[2], block_multiple_of=32)),
+    "lfm2-moe": ("Lfm2MoeConfig", dict(num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"],
+                                       num_dense_layers=1, **MOE)),
 }
 
 
@@ -57,7 +77,7 @@ def tiny_model(name: str, vocab_size: int, dtype: torch.dtype = torch.float32, s
     if class_name == "GPTNeoXConfig":  # its own names for the same things
         settings.pop("num_key_value_heads")
         settings.pop("head_dim")
-    if class_name == "DeepseekV3Config":
+    if class_name in ("DeepseekV3Config", "Zamba2Config"):  # head sizes derived from other settings
         settings.pop("head_dim")
     config = config_class(**settings)
     torch.manual_seed(seed)

@@ -83,6 +83,8 @@ def refused(url: str) -> bool:
     (["--host", "0.0.0.0"], "--host 0.0.0.0: listening beyond this machine without an API key"),
     (["--max-batch", "0"], "--max-batch 0: must be at least 1"),
     (["--port", "70000"], "--port 70000: must be at most 65535"),
+    (["--replicas", "0"], "--replicas 0: must be at least 1"),
+    (["--ray-address", "auto"], "--ray-address: only with --replicas"),
 ])
 def test_bad_serve_flags_are_refused_before_the_model_loads(capsys, flags, words):
     assert main(["serve", "--model", "no/such-model-anywhere", *flags]) == 2

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from snapkv_rag.text import encode_request
-from snapkv_rag.tools import TOOLS_PREAMBLE, ToolPlan, check_tools
+from snapkv_rag.tools import ANSWER_FROM_RESULTS, TOOLS_PREAMBLE, ToolPlan, check_tools
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -26,7 +26,7 @@ def test_template_without_tools_section_gets_tools_calls_and_results_as_text(tok
     system = text[: text.index("<|im_start|>user")]
     assert TOOLS_PREAMBLE in system and json.dumps(ADD["function"]) in system
     assert '<|im_start|>assistant\n{"name": "add", "arguments": {"a": 2, "b": 3}}<|im_end|>' in text
-    assert "<|im_start|>user\nTool result (add, call_1): 5<|im_end|>" in text
+    assert f"<|im_start|>user\nTool result (add, call_1): 5\n{ANSWER_FROM_RESULTS}What is 2 + 3?<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
 
 
@@ -62,6 +62,7 @@ def test_tool_choice_plans():
     assert ToolPlan.of([ADD], "none", "user").response_format is None
     assert ToolPlan.of([ADD], "auto", "user").call == ("add",)
     assert ToolPlan.of([ADD], "auto", "tool").call == ()  # after a tool result: the answer
+    assert ToolPlan.of([ADD], "auto", "tool").shown == [] and ToolPlan.of([ADD], "none", "tool").shown
     assert ToolPlan.of([ADD], "required", "tool").call == ("add",)
 
 

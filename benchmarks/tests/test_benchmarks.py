@@ -2,7 +2,8 @@
 
 ``gpu_check.py --tiny --device cpu`` runs the standing GPU check's whole code path (the benchmark, the
 engine tests, an eval smoke run) on tiny random models, from a copied tree without the package;
-``cpu_decode.py --quick`` runs the CPU benchmark on the embedded model with one short prompt.
+``cpu_decode.py --quick`` runs the CPU benchmark on the embedded model with one short prompt;
+``step_overhead.py --quick`` counts a decode step's operators on a 2-layer model.
 """
 
 from __future__ import annotations
@@ -59,14 +60,29 @@ def test_gpu_check_runs_from_a_copied_tree_without_the_package(tmp_path: Path) -
                            cwd=tree, env=env, capture_output=True, text=True, check=True)
     assert probe.stdout.strip().startswith(str(tree))  # the copy's package, not the installed one
     subprocess.run([sys.executable, "-c", HIDE_INSTALLED, "benchmarks/gpu_check.py", str(out), "--tiny",
-                    "--device", "cpu", "--time-budget-s", "400", "--tests-k", "budget_above_prompt"],
+                    "--device", "cpu", "--time-budget-s", "400", "--tests-k", "budget_above_prompt",
+                    "--grid-share", "0.85", "--tests-s", "100"],
                    cwd=tree, env=env, check=True, timeout=480)
     check = json.loads((out / "gpu_check.json").read_text())
-    assert set(check["steps"]) == {"gpu_decode", "engine_tests_float32", "engine_tests_bfloat16", "evals_smoke"}
+    assert set(check["steps"]) == {"gpu_decode", "gpu_concurrent", "engine_tests_float32", "engine_tests_bfloat16",
+                                   "evals_smoke"}
     assert all(step["status"] == "passed" for step in check["steps"].values()), check["steps"]
     assert check["passed"] and check["wall_s"] < 400
+    assert len(list(out.iterdir())) <= 8  # what a lent machine sends back
     assert "passed" in (out / "engine_tests_float32.log").read_text()
-    assert "| kv | full |" in (out / "evals_summary.md").read_text()
+    assert "| kv | full |" in check["evals_summary"]
+    concurrent = json.loads((out / "gpu_concurrent.json").read_text())
+    assert concurrent["ended"] == "finished" and concurrent["concurrent"]
+    (entry,) = concurrent["models"].values()
+    assert [(c["size"], c["batch"]) for c in entry["cells"]] == [(160, 1), (160, 2)]
+    for cell in entry["cells"]:  # tiny: eager only (the grid above ran the graph step's code)
+        for method in ("full", "snapkv"):
+            c = cell[method]
+            assert c["status"] == "ok" and c["batch_seen"] == cell["batch"], (method, cell)
+            assert c["tokens_per_s"] == pytest.approx(cell["batch"] * 1000 / c["decode_ms_per_token"])
+            assert c["floor_ms_per_token"] > 0 and c["tokens_per_s_vs_one_request"] > 0
+        assert cell["ceiling"] == pytest.approx(cell["full"]["floor_ms_per_token"] / cell["snapkv"]["floor_ms_per_token"])
+        assert "full_compiled" not in cell
     report = json.loads((out / "gpu_decode.json").read_text())
     assert report["ended"] == "finished" and report["copy_bandwidth_bytes_per_s"] > 0
     (entry,) = report["models"].values()
@@ -128,6 +144,21 @@ def test_cpu_decode_quick(tmp_path: Path) -> None:
     assert snap["kv_bytes_kept"] < full["kv_bytes_kept"] == full["kv_bytes_full"]
     assert 0 < snap["selection_share_of_prefill"] < 1
     assert full["peak_rss_delta_mib"] is not None and snap["peak_rss_delta_mib"] is not None
+
+
+@pytest.mark.skipif(not _embedded_model_available(), reason="the embedded model's tokenizer is not installed or cached")
+def test_step_overhead_quick_counts_operators_and_times_both_sides(tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    _run("step_overhead.py", "--quick", "--no-compile", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert [row["batch"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        # a step's count, not a run's (a run of 4 steps more would count about 4x)
+        assert 0 < row["engine_ops_per_step"] < 3 * row["transformers_ops_per_forward"]
+        assert row["ops_ratio"] == pytest.approx(row["engine_ops_per_step"] / row["transformers_ops_per_forward"])
+        assert row["transformers_eager_ms_per_step"] > 0 and row["engine_eager_ms_per_step"] > 0
+        assert "engine_compiled_ms_per_step" not in row
+    assert set(report["targets"]) == {"batch_1", "batch_2"}
 
 
 def _gone(pid: int) -> bool:

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from ..engine import ContextLengthError, GenerationOutOfMemoryError
 from . import protocol
 from .metrics import Metrics
+from .tool_calls import CallStream, stream_end
 from .protocol import APIError, Call, ServerSettings
 
 log = logging.getLogger("snapkv_rag.server")
@@ -153,7 +154,8 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
     async def check_length(call: Call) -> None:
         try:
-            prompt = await asyncio.to_thread(llm.request, call.prompt, call.documents)
+            prompt = await asyncio.to_thread(llm.request, call.prompt, call.documents,
+                                             tools=call.tools and call.tools.shown)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="messages" if call.kind == "chat" else "prompt") from None
         tokens, new = len(prompt.input_ids), call.options.get("max_new_tokens", llm.max_new_tokens)
@@ -217,11 +219,13 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
         async def events():
             item = first
+            calls = CallStream() if call.tools is not None and call.tools.call else None  # a call, not text
             if call.kind == "chat":
                 yield _sse(protocol.chunk(call, call_id, created, role=True))
             try:
                 while isinstance(item, str):
-                    yield _sse(protocol.chunk(call, call_id, created, item))
+                    for delta in calls.feed(item) if calls else (item,):
+                        yield _sse(protocol.chunk(call, call_id, created, delta))
                     if cancelled():
                         yield _sse(shutting_down.body())
                         return
@@ -235,6 +239,8 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
                 await release()
             metrics.finished(endpoint, item, time.perf_counter() - arrived)
             metrics.requests.labels(endpoint, "200").inc()
+            for delta in stream_end(calls, item) if calls else ():
+                yield _sse(protocol.chunk(call, call_id, created, delta))
             yield _sse(protocol.chunk(call, call_id, created, result=item))
             if call.include_usage:
                 yield _sse(protocol.usage_chunk(call, call_id, created, item))

@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow browser requests from ORIGIN (repeatable; default: none)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM/Ctrl-C, seconds to let "
                         "in-flight requests finish before they are cancelled (default 30)")
+    parser.add_argument("--replicas", type=int, default=None, metavar="K", help="run K engines as Ray Serve replicas "
+                        "behind the same routes, one GPU each where there are GPUs (needs the ray extra; default: one "
+                        "engine in this process, no Ray)")
+    parser.add_argument("--ray-address", default=None, help="with --replicas: the Ray cluster to join (default: start "
+                        "a local one)")
 
 
 def is_loopback(host: str) -> bool:
@@ -62,13 +67,18 @@ def check(args) -> str | None:
     if not is_loopback(args.host) and key is None and not args.allow_remote:
         raise ValueError(f"--host {args.host}: listening beyond this machine without an API key; give --api-key "
                          f"(or ${KEY_VARIABLE}), or --allow-remote to serve without one")
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas {args.replicas}: must be at least 1")
+    if args.ray_address and args.replicas is None:
+        raise ValueError("--ray-address: only with --replicas")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0")
     return key
 
 
-def settings(args, key: str | None, llm, compression, base_compression) -> ServerSettings:
-    return ServerSettings(model_name=args.served_model_name or args.model or llm.model_name, api_key=key,
+def settings(args, key: str | None, default_name: str, compression, base_compression) -> ServerSettings:
+    """The server's settings from its flags; the model id is ``default_name`` unless named by flags."""
+    return ServerSettings(model_name=args.served_model_name or args.model or default_name, api_key=key,
                           max_batch=args.max_batch, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                           max_documents=args.max_documents, cors_origins=tuple(args.cors_origin),
                           compression=compression, base_compression=base_compression)

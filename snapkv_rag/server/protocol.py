@@ -9,11 +9,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..config import SnapKVConfig
+from ..tools import ToolPlan
+from . import tool_calls
+from .errors import APIError, bad, typed
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SNAPKV_FIELDS = ("max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling")
 # OpenAI parameters this server cannot honour: refused by name rather than ignored in silence
-UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix")
+UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
 
 
 @dataclass(frozen=True)
@@ -33,18 +36,6 @@ class ServerSettings:
     base_compression: SnapKVConfig = field(default_factory=SnapKVConfig)
 
 
-class APIError(Exception):
-    """An HTTP error in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
 @dataclass
 class Call:
     """One parsed request: what to pass to ``llm.stream_result`` and how to answer."""
@@ -56,6 +47,8 @@ class Call:
     options: dict
     stream: bool = False
     include_usage: bool = False
+    tools: ToolPlan | None = None
+    """The engine's plan for the request's tools (``None`` without tools)."""
 
 
 def parse_json(raw: bytes) -> dict:
@@ -72,37 +65,23 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, f"{param}: {message}", param=param, code=code)
-
-
-def _typed(body: dict, name: str, kinds: tuple, what: str) -> Any:
-    """``body[name]`` when it is present and not null, checked against ``kinds`` (bools are not numbers)."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise _bad(name, f"expected {what}, got {json.dumps(value)[:60]}", "invalid_type")
-    return value
-
-
 def _documents(items: Any, param: str, limit: int, already: int = 0) -> list[dict]:
     if items is None:
         return []
     if not isinstance(items, list):
-        raise _bad(param, 'expected a list of {"title", "text"} objects or strings', "invalid_type")
+        raise bad(param, 'expected a list of {"title", "text"} objects or strings', "invalid_type")
     if already + len(items) > limit:
-        raise _bad(param, f"{already + len(items)} documents, more than this server takes ({limit})",
+        raise bad(param, f"{already + len(items)} documents, more than this server takes ({limit})",
                    "too_many_documents")
     out = []
     for i, item in enumerate(items):
         if isinstance(item, str):
             item = {"text": item}
         if not isinstance(item, dict) or not isinstance(item.get("text"), str):
-            raise _bad(f"{param}[{i}]", 'expected {"title", "text"} with "text" a string, or a string',
+            raise bad(f"{param}[{i}]", 'expected {"title", "text"} with "text" a string, or a string',
                        "invalid_type")
         if item.get("title") is not None and not isinstance(item["title"], str):
-            raise _bad(f"{param}[{i}].title", "expected a string", "invalid_type")
+            raise bad(f"{param}[{i}].title", "expected a string", "invalid_type")
         out.append(item)
     return out
 
@@ -115,27 +94,34 @@ def _content(content: Any, param: str) -> str:
         parts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{param}[{i}]", 'only {"type": "text", "text": ...} parts are supported', "invalid_type")
+                raise bad(f"{param}[{i}]", 'only {"type": "text", "text": ...} parts are supported', "invalid_type")
             parts.append(part["text"])
         return "".join(parts)
-    raise _bad(param, "expected a string or a list of text parts", "invalid_type")
+    raise bad(param, "expected a string or a list of text parts", "invalid_type")
 
 
 def _messages(body: dict, limit: int, documents: list[dict]) -> list[dict]:
+    """The conversation: system/developer, user and assistant messages, and an agent loop's
+    assistant messages with ``tool_calls`` (``content`` may be null) and ``tool`` results."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects",
+        raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects",
                    "invalid_type" if messages is not None else "missing")
-    out = []
+    out: list[dict] = []
+    calls_by_id: dict[str, str] = {}
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise _bad(f"messages[{i}]", 'expected an object with "role" and "content"', "invalid_type")
+            raise bad(f"messages[{i}]", 'expected an object with "role" and "content"', "invalid_type")
         role = message.get("role")
         if role not in ROLES:
-            raise _bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+            raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
                        "invalid_role")
         documents.extend(_documents(message.get("documents"), f"messages[{i}].documents", limit, len(documents)))
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), f"messages[{i}].content")})
+        loop = role == "tool" or (role == "assistant" and message.get("tool_calls"))
+        content = message.get("content")
+        content = None if loop and content is None else _content(content, f"messages[{i}].content")
+        out.append(tool_calls.loop_message(message, i, content, calls_by_id) if loop
+                   else {"role": ROLES[role], "content": content})
     return out
 
 
@@ -147,17 +133,17 @@ def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | 
     if isinstance(value, bool):
         return (settings.compression or settings.base_compression) if value else False
     if not isinstance(value, dict):
-        raise _bad("snapkv", "expected false, true or an object such as {\"max_capacity_prompt\": 512}", "invalid_type")
+        raise bad("snapkv", "expected false, true or an object such as {\"max_capacity_prompt\": 512}", "invalid_type")
     unknown = sorted(set(value) - set(SNAPKV_FIELDS))
     if unknown:
-        raise _bad(f"snapkv.{unknown[0]}", f"unknown field; the fields are {', '.join(SNAPKV_FIELDS)}", "unknown_field")
+        raise bad(f"snapkv.{unknown[0]}", f"unknown field; the fields are {', '.join(SNAPKV_FIELDS)}", "unknown_field")
     fields = dict(value)
     budget = fields.pop("budget", None)
     if isinstance(budget, str) and budget.endswith("%"):
         try:
             fields["ratio"] = float(budget[:-1]) / 100
         except ValueError:
-            raise _bad("snapkv.budget", f"expected tokens (512) or a share (\"50%\"), got {budget!r}") from None
+            raise bad("snapkv.budget", f"expected tokens (512) or a share (\"50%\"), got {budget!r}") from None
     elif budget is not None:
         fields["max_capacity_prompt"] = budget
     if [k for k in ("max_capacity_prompt", "ratio") if fields.get(k) is not None]:
@@ -167,67 +153,67 @@ def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | 
         return replace(settings.compression or settings.base_compression, **fields)
     except (ValueError, TypeError) as error:
         name = str(error).split(":")[0]
-        raise _bad(f"snapkv.{name}" if name in SNAPKV_FIELDS else "snapkv", str(error)) from None
+        raise bad(f"snapkv.{name}" if name in SNAPKV_FIELDS else "snapkv", str(error)) from None
 
 
 def _options(body: dict, settings: ServerSettings) -> tuple[dict, bool, bool]:
     for name in UNSUPPORTED:
         if body.get(name):
-            raise _bad(name, "not supported by this server", "unsupported_parameter")
+            raise bad(name, "not supported by this server", "unsupported_parameter")
     for name in ("logprobs", "echo"):
-        if _typed(body, name, (bool, int), "a boolean"):
-            raise _bad(name, "not supported by this server", "unsupported_parameter")
+        if typed(body, name, (bool, int), "a boolean"):
+            raise bad(name, "not supported by this server", "unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
-        if _typed(body, name, (int, float), "a number"):
-            raise _bad(name, "only 0 is supported", "unsupported_parameter")
-    n = _typed(body, "n", (int,), "an integer")
+        if typed(body, name, (int, float), "a number"):
+            raise bad(name, "only 0 is supported", "unsupported_parameter")
+    n = typed(body, "n", (int,), "an integer")
     if n not in (None, 1):
-        raise _bad("n", f"only n=1 is supported, got {n}", "unsupported_parameter")
+        raise bad("n", f"only n=1 is supported, got {n}", "unsupported_parameter")
     options: dict[str, Any] = {}
-    tokens = _typed(body, "max_completion_tokens", (int,), "an integer")
-    tokens = _typed(body, "max_tokens", (int,), "an integer") if tokens is None else tokens
+    tokens = typed(body, "max_completion_tokens", (int,), "an integer")
+    tokens = typed(body, "max_tokens", (int,), "an integer") if tokens is None else tokens
     if tokens is not None:
         if tokens < 1:
-            raise _bad("max_tokens", f"must be at least 1, got {tokens}")
+            raise bad("max_tokens", f"must be at least 1, got {tokens}")
         options["max_new_tokens"] = tokens
-    temperature = _typed(body, "temperature", (int, float), "a number")
+    temperature = typed(body, "temperature", (int, float), "a number")
     if temperature is not None:
         if not 0 <= temperature <= 2:
-            raise _bad("temperature", f"must be between 0 and 2, got {temperature}")
+            raise bad("temperature", f"must be between 0 and 2, got {temperature}")
         options["temperature"] = float(temperature)
-    top_p = _typed(body, "top_p", (int, float), "a number")
+    top_p = typed(body, "top_p", (int, float), "a number")
     if top_p is not None:
         if not 0 < top_p <= 1:
-            raise _bad("top_p", f"must be in (0, 1], got {top_p}")
+            raise bad("top_p", f"must be in (0, 1], got {top_p}")
         options["top_p"] = float(top_p)
-    stop = _typed(body, "stop", (str, list), "a string or a list of strings")
+    stop = typed(body, "stop", (str, list), "a string or a list of strings")
     if stop is not None:
         if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-            raise _bad("stop", "expected a string or a list of strings", "invalid_type")
+            raise bad("stop", "expected a string or a list of strings", "invalid_type")
         options["stop"] = stop
-    seed = _typed(body, "seed", (int,), "an integer")
+    seed = typed(body, "seed", (int,), "an integer")
     if seed is not None:
         options["seed"] = seed
-    if _typed(body, "ignore_eos", (bool,), "a boolean"):
+    if typed(body, "ignore_eos", (bool,), "a boolean"):
         options["ignore_eos"] = True
-    response_format = _typed(body, "response_format", (dict,), "an object")
+    response_format = typed(body, "response_format", (dict,), "an object")
     if response_format and response_format.get("type") != "text":
         options["response_format"] = response_format
     compression = _compression(body.get("snapkv"), settings)
     if compression is not None:
         options["snapkv"] = compression
-    stream = bool(_typed(body, "stream", (bool,), "a boolean"))
-    stream_options = _typed(body, "stream_options", (dict,), "an object") or {}
-    include_usage = _typed(stream_options, "include_usage", (bool,), "a boolean")
+    stream = bool(typed(body, "stream", (bool,), "a boolean"))
+    stream_options = typed(body, "stream_options", (dict,), "an object") or {}
+    include_usage = typed(stream_options, "include_usage", (bool,), "a boolean")
     if stream_options and not stream:
-        raise _bad("stream_options", "only allowed with stream: true")
+        raise bad("stream_options", "only allowed with stream: true")
     return options, stream, bool(include_usage)
 
 
 def _model(body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model", "expected the model's id as a string (GET /v1/models lists it)",
+        raise bad("model", "expected the model's id as a string (GET /v1/models lists it)",
                    "missing" if model is None else "invalid_type")
     return model
 
@@ -238,7 +224,8 @@ def parse_chat(body: dict, settings: ServerSettings) -> Call:
     documents = _documents(body.get("documents"), "documents", settings.max_documents)
     messages = _messages(body, settings.max_documents, documents)
     options, stream, usage = _options(body, settings)
-    return Call("chat", _model(body), messages, documents, options, stream, usage)
+    tool_options, plan = tool_calls.parse_tools(body, messages[-1]["role"])
+    return Call("chat", _model(body), messages, documents, {**options, **tool_options}, stream, usage, plan)
 
 
 def parse_completion(body: dict, settings: ServerSettings) -> Call:
@@ -248,9 +235,12 @@ def parse_completion(body: dict, settings: ServerSettings) -> Call:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise _bad("prompt", "expected one prompt as a string", "invalid_type" if prompt is not None else "missing")
+        raise bad("prompt", "expected one prompt as a string", "invalid_type" if prompt is not None else "missing")
     if not prompt.strip():
-        raise _bad("prompt", "must not be empty")
+        raise bad("prompt", "must not be empty")
+    given = tool_calls.any_tools(body)
+    if given:
+        raise bad(given, "only on /v1/chat/completions", "unsupported_parameter")
     options, stream, usage = _options(body, settings)
     return Call("completion", _model(body), prompt, documents, options, stream, usage)
 
@@ -273,7 +263,7 @@ def extension(result) -> dict:
 
 def response(call: Call, call_id: str, created: int, result) -> dict:
     if call.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+        choice = {"index": 0, "message": tool_calls.message(result, call.tools),
                   "finish_reason": result.finish_reason, "logprobs": None}
         kind = "chat.completion"
     else:
@@ -283,12 +273,14 @@ def response(call: Call, call_id: str, created: int, result) -> dict:
             "usage": usage(result), "snapkv": extension(result)}
 
 
-def chunk(call: Call, call_id: str, created: int, piece: str | None = None, result=None, role: bool = False) -> dict:
-    """One streamed event: a text piece, the opening role (chat), or the closing finish reason
-    (``result`` given; it carries the ``snapkv`` field)."""
+def chunk(call: Call, call_id: str, created: int, piece: str | dict | None = None, result=None,
+          role: bool = False) -> dict:
+    """One streamed event: a text piece (or a chat ``delta``, such as a tool call's), the opening
+    role (chat), or the closing finish reason (``result`` given; it carries the ``snapkv`` field)."""
     reason = result.finish_reason if result is not None else None
     if call.kind == "chat":
-        delta = {"role": "assistant", "content": ""} if role else {} if piece is None else {"content": piece}
+        delta = {"role": "assistant", "content": ""} if role else {} if piece is None else \
+            piece if isinstance(piece, dict) else {"content": piece}
         choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
         kind = "chat.completion.chunk"
     else:

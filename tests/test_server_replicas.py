@@ -1,0 +1,112 @@
+"""``--replicas``: two CPU engines as Ray Serve replicas behind the same OpenAI routes, on one
+local Ray cluster for the module (Ray's start-up is slow). Concurrent requests reach both replicas
+(each response names its replica) and get one engine's answers; the app's key, limits and errors
+hold behind Ray's proxy; a killed replica is replaced, and the one request it had in flight gets a
+500 from Ray's proxy, which the ``openai`` client retries: no request is lost."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from server_testing import free_port
+
+serve = pytest.importorskip("ray.serve", reason="the ray extra (ray[serve]) is not installed")
+ray = pytest.importorskip("ray")
+
+KEY = {"Authorization": "Bearer secret"}
+QUESTIONS = [f"Which river is number {i}?" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tokenizer):
+    from snapkv_rag.server.protocol import ServerSettings
+    from snapkv_rag.server.replicas import application
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        engine = {"model": tiny_model, "tokenizer": tokenizer, "max_new_tokens": 12}
+        serve.run(application(engine, ServerSettings("tiny", api_key="secret", max_body_bytes=4000), 2),
+                  name="snapkv-rag", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def ask(url: str, question: str) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", headers=KEY, timeout=120,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": question}], "max_tokens": 6})
+
+
+def replica_names() -> set[str]:
+    return {a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::snapkv-rag")}
+
+
+def running() -> int:
+    return serve.status().applications["snapkv-rag"].deployments["snapkv-rag"].replica_states.get("RUNNING", 0)
+
+
+def test_concurrent_requests_reach_both_replicas_with_one_engines_answers(cluster, tiny_engine):
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda q: ask(cluster, q), QUESTIONS))
+    assert [r.status_code for r in replies] == [200] * 8
+    assert {r.headers["x-snapkv-replica"] for r in replies} == replica_names() and len(replica_names()) == 2
+    assert [r.json()["choices"][0]["message"]["content"] for r in replies] == \
+        [tiny_engine.chat([{"role": "user", "content": q}], max_new_tokens=6).text for q in QUESTIONS]
+
+
+def test_key_limits_and_errors_hold_behind_the_proxy(cluster):
+    assert httpx.get(cluster + "/health").status_code == 200
+    assert httpx.get(cluster + "/v1/models").status_code == 401
+    assert httpx.post(cluster + "/v1/chat/completions", headers=KEY, content="x" * 5000).status_code == 413
+    bad = httpx.post(cluster + "/v1/chat/completions", headers=KEY, json={"model": "tiny", "messages": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    metrics = httpx.get(cluster + "/metrics", headers=KEY)
+    assert "snapkv_rag_requests_total" in metrics.text and metrics.headers["x-snapkv-replica"] in replica_names()
+
+
+def test_a_killed_replica_is_replaced_and_the_openai_client_loses_no_request(cluster):
+    statuses: list[int] = []
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="secret", max_retries=2, http_client=httpx.Client(
+        timeout=120, event_hooks={"response": [lambda response: statuses.append(response.status_code)]}))
+    stop, answers, failures = threading.Event(), [], []
+
+    def keep_asking(k: int) -> None:
+        while not stop.is_set():
+            try:
+                reply = client.chat.completions.create(model="tiny", max_tokens=12,
+                                                       messages=[{"role": "user", "content": QUESTIONS[k]}])
+                answers.append(reply.choices[0].message.content)
+            except openai.OpenAIError as error:
+                failures.append(error)
+
+    before = replica_names()
+    threads = [threading.Thread(target=keep_asking, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2)
+    victim = sorted(before)[0]
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::snapkv-rag#snapkv-rag#{victim}", namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (len(replica_names() - before) == 1 and running() == 2):
+        time.sleep(1)
+    time.sleep(2)
+    stop.set()
+    for thread in threads:
+        thread.join(120)
+    assert failures == [] and len(answers) > 8
+    assert set(statuses) <= {200, 500}  # a 500 only for a request the killed replica held: retried
+    new = replica_names() - before
+    assert len(new) == 1 and victim not in replica_names()
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda q: ask(cluster, q), QUESTIONS))
+    assert new <= {r.headers["x-snapkv-replica"] for r in replies}
