@@ -1,10 +1,11 @@
 """Decode speed of the compiled fixed-size-cache step (``compile=True``) against the plain loop.
 
-One engine per mode on the SAME loaded model. For each prompt size, one prefill derives four
-identical caches per method (full cache = a budget above the prompt length, and SnapKV at
-``--budget``), plus one for an untimed compiled call per cache shape (compilation); they are
-decoded plain, compiled, compiled, plain (so drift on a shared machine hits both sides alike). Prints
-decode ms/token of each mode, the plain/compiled ratio and whether the answers agree; writes JSON.
+One engine per mode on the SAME loaded model. For each prompt size, each mode runs ``compare`` with
+two methods (full cache = a budget above the prompt length, and SnapKV at ``--budget``): one
+shared prefill, then both caches decode as rows of one batch through the scheduler. An untimed
+compiled call first compiles each bucket; then the modes run plain, compiled, compiled, plain (so
+drift on a shared machine hits both sides alike). Prints decode ms/token of each mode, the
+plain/compiled ratio and whether the answers agree; writes JSON.
 """
 
 from __future__ import annotations
@@ -22,50 +23,36 @@ sys.path.insert(0, str(HERE))
 from rag_prompts import build_prompt  # noqa: E402
 
 
-def decode_once(engine, pre, name: str, max_new_tokens: int):
-    """Decode one of the prefill's caches with ``engine``'s runner (plain or compiled), greedy."""
-    from snapkv_rag.generation import SamplingOptions
-    from snapkv_rag.text import decode_text
-
-    text = decode_text(engine.runner, engine.tokenizer, pre, name, SamplingOptions(max_new_tokens=max_new_tokens))
-    while True:
-        try:
-            next(text)
-        except StopIteration as done:
-            return done.value[0]
+def decode_once(engine, prompt, methods: dict, max_new_tokens: int):
+    """One shared-prefill ``compare`` of ``methods`` with ``engine`` (plain or compiled), greedy."""
+    return engine.compare(prompt.question, prompt.documents, methods=methods, hit_rate=False,
+                          max_new_tokens=max_new_tokens).results
 
 
 def measure(plain, compiled, size: int, budget: int, max_new_tokens: int) -> list[dict]:
     from snapkv_rag import SnapKVConfig
-    from snapkv_rag.generation import Batch, prefill
 
     prompt = build_prompt(plain.tokenizer, size)
-    request = plain.request(prompt.question, prompt.documents)
-    length = len(request.input_ids)
+    length = len(plain.request(prompt.question, prompt.documents).input_ids)
     methods = {"full": SnapKVConfig(max_capacity_prompt=length + 1), f"snapkv@{budget}": SnapKVConfig(
         max_capacity_prompt=budget)}
     order = ("plain", "compiled", "compiled", "plain")
-    caches = {f"{name}/{i}": cfg for name, cfg in methods.items() for i in ["warm", *range(len(order))]}
-    pre = prefill(plain.runner, Batch.of([request.input_ids], plain.runner.pad_id, plain.device), caches,
-                  room=max_new_tokens)
-    for name in methods:  # compile once per cache shape, untimed
-        start = time.perf_counter()
-        decode_once(compiled, pre, f"{name}/warm", max_new_tokens)
-        print(f"  {length} {name}: first compiled call (compiles) {time.perf_counter() - start:.0f} s", flush=True)
+    start = time.perf_counter()
+    decode_once(compiled, prompt, methods, max_new_tokens)  # compiles each bucket, untimed
+    print(f"  {length}: first compiled call (compiles) {time.perf_counter() - start:.0f} s", flush=True)
+    runs = {name: {"plain": [], "compiled": []} for name in methods}
+    texts = {name: set() for name in methods}
+    for mode in order:
+        results = decode_once(plain if mode == "plain" else compiled, prompt, methods, max_new_tokens)
+        for name, result in results.items():
+            runs[name][mode].append(result.timings.decode_ms_per_token)
+            texts[name].add(result.text)
     rows = []
     for name, cfg in methods.items():
-        runs = {"plain": [], "compiled": []}
-        texts = set()
-        for i, mode in enumerate(order):
-            engine = plain if mode == "plain" else compiled
-            key = f"{name}/{i}"
-            result = decode_once(engine, pre, key, max_new_tokens)
-            runs[mode].append(result.decode_ms_per_token)
-            texts.add(result.text)
-        plain_ms, compiled_ms = statistics.mean(runs["plain"]), statistics.mean(runs["compiled"])
+        plain_ms, compiled_ms = statistics.mean(runs[name]["plain"]), statistics.mean(runs[name]["compiled"])
         row = {"prompt_tokens": length, "method": name, "kept_tokens": min(length, cfg.max_capacity_prompt),
                "plain_ms_per_token": plain_ms, "compiled_ms_per_token": compiled_ms,
-               "speedup": plain_ms / compiled_ms, "runs": runs, "answers_identical": len(texts) == 1}
+               "speedup": plain_ms / compiled_ms, "runs": runs[name], "answers_identical": len(texts[name]) == 1}
         print(f"  {length} {name}: plain {plain_ms:.1f} ms/token, compiled {compiled_ms:.1f} ms/token, "
               f"{row['speedup']:.2f}x, answers identical: {row['answers_identical']}", flush=True)
         rows.append(row)

@@ -1,13 +1,11 @@
 """The cost of constrained decoding, measured in one run on the embedded model (CPU).
 
-From ONE prefill of one RAG prompt, decode ``--tokens`` tokens greedily, in interleaved rounds:
+For one RAG prompt, decode ``--tokens`` tokens greedily through the engine's scheduler (the one
+decode loop), in interleaved rounds:
 
-* ``plain``: the decode loop of this tree, no schema (what every free-text request runs);
-* ``before``: the decode loop of ``--before-ref`` (default: the merge base of HEAD and main, the
-  code before constrained decoding), loaded from git into this process, no schema: ``before / plain`` ms/token is the
-  no-schema ratio that must stay >= 0.95;
-* ``schema``: this tree's loop with a response format (an object with an enum, an integer range and
-  an array of strings): ms/token and the ratio ``plain / schema``;
+* ``plain``: no schema (what every free-text request runs);
+* ``schema``: with a response format (an object with an enum, an integer range and an array of
+  strings): ms/token and the ratio ``plain / schema``;
 
 and the mask's own cost per token: filling and applying the token bitmask plus feeding the token
 back to the matcher (``apply_masks`` + ``accept``), timed around those calls on the real logits.
@@ -18,11 +16,9 @@ back to the matcher (``apply_masks`` + ``accept``), timed around those calls on 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import dataclasses
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from statistics import median
@@ -39,38 +35,16 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["answer", "country", "year", "facts"], "additionalProperties": False}
 
 
-def before_module(ref: str | None):
-    """``ref``'s ``snapkv_rag/generation.py`` (default: the merge base of HEAD and main, the code this
-    change started from), as a module of this package (its relative imports resolve against the
-    installed package); None when git cannot show it."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        if ref is None:
-            ref = subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=root, check=True, capture_output=True,
-                                 text=True).stdout.strip()
-        source = subprocess.run(["git", "show", f"{ref}:snapkv_rag/generation.py"], cwd=root, check=True,
-                                capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    path = Path(tempfile.mkdtemp()) / "generation_before.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("snapkv_rag._generation_before", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    module.REF = ref
-    return module
+def run_decode(llm, request, tokens: int, constraint=None) -> float:
+    """Decode up to ``tokens`` tokens of ``request`` (held to ``constraint``, if given) through the
+    scheduler; the median ms of its decode steps."""
+    from snapkv_rag.sampling import SamplingOptions
+    from snapkv_rag.scheduler import Outcome
 
-
-def run_decode(generation, llm, pre, name: str, tokens: int, constraints=None) -> float:
-    """Decode ``tokens`` tokens from ``pre.caches[name]`` with ``generation.decode``; the median ms of
-    its decode steps."""
-    kwargs = {} if constraints is None else {"constraints": constraints}
-    options = generation.SamplingOptions(max_new_tokens=tokens)
-    for event in generation.decode(llm.runner, pre, name, options, **kwargs):
-        if hasattr(event, "step_ms"):  # Finished (of either tree's module)
-            return median(event.step_ms)
-    raise RuntimeError("decode ended without finishing its row")
+    request = dataclasses.replace(request, constraint=constraint)
+    ticket = llm.scheduler.submit(request, SamplingOptions(max_new_tokens=tokens), [], None)
+    outcome = next(item for item in ticket if isinstance(item, Outcome))
+    return median(outcome.row.decode_step_ms)
 
 
 def main(argv=None) -> int:
@@ -78,30 +52,23 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=24, help="decode steps per round (default 24)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of each variant (default 3)")
-    p.add_argument("--before-ref", default=None, help="git ref of the code before the change (default: the "
-                   "merge base of HEAD and main)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
 
     from snapkv_rag import SnapKVLLM
-    from snapkv_rag import generation
-    from snapkv_rag.generation import Batch, prefill
     from snapkv_rag.structured import apply_masks
 
     llm = SnapKVLLM(snapkv=False)
     prompt = build_prompt(llm.tokenizer, args.prompt_tokens)
-    ids = llm.request(prompt.question, prompt.documents).input_ids
+    request = llm.request(prompt.question, prompt.documents)
+    ids = request.input_ids
     fmt = llm._compile_format(SCHEMA)
-    old = before_module(args.before_ref)
-    variants = ["plain", "schema"] + (["before"] if old is not None else [])
-    # one prefill fills one cache per (variant, round): every decode starts from the same state
-    names = [f"{v}{r}" for r in range(args.rounds) for v in variants]
-    pre = prefill(llm.runner, Batch.of([ids], llm.runner.pad_id), {n: None for n in names}, room=args.tokens)
+    variants = ["plain", "schema"]
     times = {v: [] for v in variants}
-    for r in range(args.rounds):  # interleaved, so that the machine's load falls on every variant alike
+    for _ in range(args.rounds):  # interleaved, so that the machine's load falls on every variant alike
         for v in variants:
-            times[v].append(run_decode(old if v == "before" else generation, llm, pre, f"{v}{r}", args.tokens,
-                                       [fmt.new_constraint()] if v == "schema" else None))
+            times[v].append(run_decode(llm, request, args.tokens, fmt.new_constraint() if v == "schema" else None))
+    pre = llm.runner.prefill([ids], {"": None})
     # the mask's own cost, on real logits: fill + apply the bitmask, then feed the token back
     mask_ms, constraint = [], fmt.new_constraint()
     logits = pre.logits.clone()
@@ -125,14 +92,11 @@ def main(argv=None) -> int:
         "ms_per_token": figures, "mask_ms_per_token": round(median(mask_ms), 3),
         "mask_share_of_step": round(median(mask_ms) / figures["plain"], 4),
         "ratio_plain_over_schema": round(figures["plain"] / figures["schema"], 3),
-        "ratio_before_over_plain_no_schema": round(figures["before"] / figures["plain"], 3) if "before" in figures
-        else None, "apply_masks_all_none_us": round(median(none_us), 2), "before_ref": getattr(old, "REF", None),
+        "apply_masks_all_none_us": round(median(none_us), 2),
     }
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-    ok = result["ratio_before_over_plain_no_schema"] is None or result["ratio_before_over_plain_no_schema"] >= 0.95
-    print("no-schema ratio (before / now) >= 0.95:", "yes" if ok else "NO")
     return 0
 
 

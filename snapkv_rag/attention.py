@@ -1,15 +1,19 @@
 """The attention functions registered with transformers, and how a model is switched to them.
 
 ``snapkv_sdpa`` / ``snapkv_eager`` / ``snapkv_flash_attention_2`` run the model's own attention
-(the base implementation) and add two things when the forward pass carries our cache
+(the base implementation) and add two things when the forward pass carries one of our caches
 (``snapkv_cache=`` among the model's keyword arguments, which transformers hands to every
 attention call):
 
-- during the prompt, right after a layer's attention, that layer's K/V are compressed into the
-  cache (:func:`snapkv_rag.cache.compress_layer`): at most one layer's full K/V is alive at a time;
-- while decoding, the layer attends with its own mask (:meth:`AttentionLayer.begin_step`), built
-  from the positions that layer holds: padding, slots not written yet, positions that left a
-  sliding window.
+- a prompt (:class:`~snapkv_rag.cache.PromptCache`): right after a layer's attention, inside the
+  runner's ``with compressing(...)`` block, that layer's K/V are compressed;
+- a decode step (:class:`~snapkv_rag.slots.SlotCache`): the layer attends over its whole fixed
+  buffer with its own mask (:meth:`SlotCache.begin_step`); a one-token query ``[B, H, 1, D]`` is
+  viewed as ``[B, H_kv, H/H_kv, D]`` so that the ``[B, H_kv, 1, S]`` mask broadcasts and no KV head
+  is repeated.
+
+A call serves the layer whose K/V the model handed the cache last (``cache.attending``), not
+``module.layer_idx``: Zamba's shared attention block is one module used at several layers.
 
 Without ``snapkv_cache`` a wrapper is exactly its base implementation, so a model switched to it
 behaves as before for any other caller. :func:`detach` switches it back.
@@ -27,7 +31,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .cache import AttentionLayer, KVCache, Scoring, compress_layer
+from .cache import PromptLayer, Scoring
+from .slots import SlotLayer
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 PREFIX = "snapkv_"
@@ -51,8 +56,8 @@ def _base_function(base: str, module):
 
 
 def _decode_mask(valid: torch.Tensor, query: torch.Tensor, base: str) -> torch.Tensor:
-    """A layer's ``[B, H_kv, S]`` valid slots as the 4-D mask its base attention takes."""
-    mask = valid.repeat_interleave(query.shape[1] // valid.shape[1], dim=1)[:, :, None, :]
+    """A layer's ``[B, H_kv, 1, S]`` valid slots as the per-query-head 4-D mask its base attention takes."""
+    mask = valid.repeat_interleave(query.shape[1] // valid.shape[1], dim=1)
     if base == "eager":  # eager attention adds its mask to the scores
         return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
@@ -60,44 +65,40 @@ def _decode_mask(valid: torch.Tensor, query: torch.Tensor, base: str) -> torch.T
 
 
 def grouped_sdpa(module, query, key, value, mask, scaling):
-    """One decode token through torch's SDPA with grouped heads: transformers' sdpa path copies
-    every KV head ``H / H_kv`` times when a mask is given, which costs more than the attention."""
+    """One decode token through torch's SDPA with grouped heads and no KV head repeated: the query
+    ``[B, H, 1, D]`` viewed as ``[B, H_kv, H/H_kv, D]`` (the heads sharing a KV head side by side),
+    the ``[B, H_kv, 1, S]`` mask broadcast over them. Returns ``[B, 1, H, D]`` as transformers expects."""
+    b, heads, _, _ = query.shape
+    grouped = query.reshape(b, key.shape[1], heads // key.shape[1], query.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling if scaling is not None else module.scaling,
-        enable_gqa=_grouped(module, query, key))
-    return out.transpose(1, 2).contiguous(), None
+        grouped, key, value, attn_mask=mask, scale=scaling if scaling is not None else module.scaling)
+    return out.view(b, 1, heads, value.shape[-1]), None
 
 
-def _grouped(module, query, key) -> bool:
-    """Whether query heads share KV heads, as a plain bool: from the layer's own setting where it has
-    one (under torch.compile with dynamic shapes a comparison of shapes is symbolic, which SDPA's
-    ``enable_gqa`` does not take: it broke the compiled step into one graph per layer)."""
-    groups = getattr(module, "num_key_value_groups", None)
-    return groups != 1 if isinstance(groups, int) else bool(query.shape[1] != key.shape[1])
+def _plain(kwargs: dict, query, key, value) -> bool:
+    """Whether a decode step can take :func:`grouped_sdpa` (no soft-cap, sinks or dropout; one query)."""
+    return (not kwargs.get("softcap") and kwargs.get("s_aux") is None and not kwargs.get("dropout")
+            and query.shape[-2] == 1 and query.shape[1] % key.shape[1] == 0 and key.shape[-1] == value.shape[-1])
 
 
 def _make_wrapper(base: str):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        cache: KVCache | None = kwargs.pop(CACHE_KWARG, None)
+        cache = kwargs.pop(CACHE_KWARG, None)
         index = cache.attending if cache is not None else None  # (module.layer_idx: None in Zamba's shared blocks)
         layer = cache.layers[index] if cache is not None else None
-        if not isinstance(layer, AttentionLayer):
-            return _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
-        if layer.pending is not None:  # the prompt: attend as the model does, then compress
+        if isinstance(layer, PromptLayer):  # the prompt: attend as the model does, then compress
             output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
-            cache.prefill_attention(index, query, key, scoring_of(module, kwargs))
+            if cache.compress is not None:
+                cache.compress(index, query, key, scoring_of(module, kwargs))
             return output
-        if layer.valid is None:  # every slot open: the base implementation as it is
-            output = _base_function(base, module)(module, query, key, value, None, *args, **kwargs)
-        else:
-            mask = _decode_mask(layer.valid, query, "eager" if base == "eager" else "sdpa")
-            plain = (not kwargs.get("softcap") and kwargs.get("s_aux") is None and not kwargs.get("dropout")
-                     and query.shape[1] % key.shape[1] == 0 and key.shape[-1] == value.shape[-1])
-            if base != "eager" and plain:
-                output = grouped_sdpa(module, query, key, value, mask, kwargs.get("scaling"))
-            else:  # flash attention takes no 4-D mask: a masked step goes through sdpa
-                function = _base_function("sdpa" if base == "flash_attention_2" else base, module)
-                output = function(module, query, key, value, mask, *args, **kwargs)
+        if not isinstance(layer, SlotLayer):
+            return _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
+        valid = cache.masks[layer.index]
+        if base != "eager" and _plain(kwargs, query, key, value):
+            output = grouped_sdpa(module, query, key, value, valid, kwargs.get("scaling"))
+        else:  # soft-cap, sinks, latent heads: the base attention with the mask per query head
+            function = _base_function("sdpa" if base == "flash_attention_2" else base, module)
+            output = function(module, query, key, value, _decode_mask(valid, query, base), *args, **kwargs)
         if cache.recorder is not None:
             cache.recorder(index, query, key, scoring_of(module, kwargs))
         return output

@@ -1,14 +1,17 @@
 """Several compression methods on one prompt from ONE shared prefill (what the evals run).
 
 Every method's cache is filled by the same prefill (its computation does not depend on what a
-cache keeps), so only decoding is repeated, and each method's result is what ``generate`` with
-that method returns. With ``hit_rate``, the full cache is decoded first while recording the
-attention its decode steps pay to the prompt; each method then gets the share of those
-most-attended positions that it kept.
+cache keeps); each method's compressed cache then joins the engine's decode batch as an already
+prefilled request and decodes through the scheduler's one loop (one after another, so that each
+method's decode ms/token is its own; with ``together``, as rows of one batch), and each result is
+what ``generate`` with that method returns. With ``hit_rate``, the full cache's row
+records the attention its decode steps pay to the prompt (that batch then runs eagerly); each
+method gets the share of those most-attended positions that it kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -16,10 +19,11 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from . import cited, compression
-from .cache import AttentionLayer, KVCache
-from .generation import Batch, Runner, SamplingOptions, prefill
-from .results import GenerationResult, build_result
-from .text import Request, decode_text
+from .results import GenerationResult, Timings, finish_result
+from .sampling import SamplingOptions
+from .scheduler import Outcome, Scheduler
+from .slots import SlotCache
+from .text import Request
 
 FULL = "\0full"  # the recording full cache's name (not a name a caller can give)
 
@@ -43,16 +47,6 @@ class Comparison:
         return "\n".join(lines)
 
 
-def kept_positions(cache: KVCache, row: int = 0) -> dict[int, torch.Tensor]:
-    """Per attention layer, the prompt positions ``[1, H_kv, n]`` a cache holds for ``row``."""
-    kept = {}
-    for i, layer in enumerate(cache.layers):
-        if isinstance(layer, AttentionLayer):
-            held = layer.positions[row:row + 1, :, : layer.prompt_slots]
-            kept[i] = held[..., (held[0, 0] >= 0)]
-    return kept
-
-
 def attention_hit_rate(decode_attention: dict[int, torch.Tensor], kept: dict[int, torch.Tensor]) -> float:
     """Share of the prompt positions most attended by the full cache's decode steps that a method
     kept, averaged over layers and KV heads (the top-k, k = the number the method kept there)."""
@@ -72,59 +66,71 @@ def attention_hit_rate(decode_attention: dict[int, torch.Tensor], kept: dict[int
 
 
 class _Recorder:
-    """Accumulates, per layer, the attention each decode step of the full cache pays to each prompt
-    position ``[1, H_kv, L]`` (the layer's own scale, soft-cap and sinks)."""
+    """Accumulates, per layer, the attention each decode step of the full cache's row pays to each
+    prompt position ``[1, H_kv, L]`` (the layer's own scale, soft-cap and sinks). Eager only: it
+    reads the step's tensors on the host's schedule."""
 
-    def __init__(self, cache: KVCache, prompt_tokens: int):
-        self.cache, self.length = cache, prompt_tokens
+    def __init__(self, prompt_tokens: int):
+        self.length = prompt_tokens
         self.totals: dict[int, torch.Tensor] = {}
+        self.slots: SlotCache | None = None
+        self.row = 0
+
+    def bind(self, slots: SlotCache, row: int) -> None:
+        """The recorded request now decodes in ``row`` of ``slots``."""
+        self.slots, self.row = slots, row
+        slots.recorder = self
 
     def __call__(self, layer_idx, query, keys, scoring) -> None:
         begin = time.perf_counter()
-        layer = self.cache.layers[layer_idx]
-        slots = layer.prompt_slots
-        probs = compression.attention_probs(query[..., -1:, :], keys, None, **scoring.as_kwargs())
-        probs = probs.sum(dim=-2).mean(dim=2)[..., :slots]  # [1, H_kv, slots]
-        if probs.shape[1] != layer.positions.shape[1]:  # latent attention: one latent for all heads
+        layer, r = self.slots.layers[layer_idx], slice(self.row, self.row + 1)
+        valid = self.slots.masks[layer.index][r, 0, 0]  # [1, S]: the slots this row attends to
+        probs = compression.attention_probs(query[r, :, -1:, :], keys[r], valid, **scoring.as_kwargs())
+        probs = probs.sum(dim=-2).mean(dim=2)  # [1, H_kv, S]
+        positions = self.slots.positions[layer.index, r]
+        if probs.shape[1] != positions.shape[1]:  # latent attention: one latent for all heads
             probs = probs.mean(dim=1, keepdim=True)
-        where = layer.positions[:, :, :slots].clamp(min=0)
+            positions = positions[:, :1]
+        prompt = (positions >= 0) & (positions < self.length)
         total = torch.zeros((*probs.shape[:2], self.length), dtype=probs.dtype, device=probs.device)
-        total.scatter_add_(-1, where, probs * (layer.positions[:, :, :slots] >= 0))
+        total.scatter_add_(-1, positions.clamp(0, self.length - 1), probs * prompt)
         self.totals[layer_idx] = total if layer_idx not in self.totals else self.totals[layer_idx] + total
-        self.cache.record_s += time.perf_counter() - begin
+        self.slots.record_s += time.perf_counter() - begin
 
 
-def compare(runner: Runner, tokenizer, request: Request, methods: Mapping[str, Any], options: SamplingOptions,
-            stop: Sequence[str] = (), hit_rate: bool = True) -> Comparison:
-    """``methods`` maps a name to a config (``None`` for the full cache)."""
+def compare(scheduler: Scheduler, request: Request, methods: Mapping[str, Any], options: SamplingOptions,
+            stop: Sequence[str] = (), hit_rate: bool = True, together: bool = False) -> Comparison:
+    """``methods`` maps a name to a config (``None`` for the full cache); ``together``: the methods
+    decode as rows of one batch (else one after another, each with its own decode timings)."""
     full_names = [name for name, config in methods.items() if config is None]
     record = hit_rate and len(full_names) < len(methods)
     caches = {FULL: None, **methods} if record and not full_names else dict(methods)
     full_name = FULL if FULL in caches else (full_names[0] if full_names else None)
-    pre = prefill(runner, Batch.of([request.input_ids], runner.pad_id, runner.device), caches,
-                  room=options.max_new_tokens)
+    order = ([full_name] if full_name is not None else []) + [n for n in caches if n != full_name and n not in full_names]
     prompt_tokens = len(request.input_ids)
-    recorder = _Recorder(pre.caches[full_name], prompt_tokens) if record else None
+    recorder = _Recorder(prompt_tokens) if record else None
+    # each method starts the grammar afresh
+    requests = {name: dataclasses.replace(request, constraint=request.constraint and request.constraint.fresh())
+                for name in order}
+    tickets = scheduler.submit_group(requests, {name: caches[name] for name in order}, options, list(stop),
+                                     {full_name: recorder} if record else None, together)
     results: dict[str, GenerationResult] = {}
-    order = ([full_name] if full_name is not None else []) + [n for n in methods if n not in full_names]
-    for name in order:
-        pre.caches[name].recorder = recorder if name == full_name else None
-        constraint = request.constraint and request.constraint.fresh()  # each method starts the grammar afresh
-        rows = _drain(decode_text(runner, tokenizer, pre, name, options, stop, [constraint]))
-        pre.caches[name].recorder = None
-        results[name] = cited.finish(build_result(rows[0], request.documents, prompt_tokens, pre.caches[name], 0,
-                                                  pre.prefill_s, pre.selection_ms(name)), constraint, request.cite)
+    kept: dict[str, dict[int, torch.Tensor]] = {}
+    prefill_s = 0.0
+    try:
+        for name, ticket in tickets.items():
+            outcome = next(item for item in ticket if isinstance(item, Outcome))
+            prefill_s, kept[name] = outcome.prefill_s, outcome.kept_positions
+            timings = Timings(prefill_s=outcome.prefill_s, decode_ms_per_token=0.0, batch_size=outcome.batch_size)
+            results[name] = cited.finish(finish_result(outcome.row, request.documents, prompt_tokens, outcome.compression,
+                                                       timings), requests[name].constraint, request.cite)
+    finally:
+        for ticket in tickets.values():
+            ticket.cancel()
     for name in full_names:
         results[name] = results[full_name]
-    rates = {name: attention_hit_rate(recorder.totals, kept_positions(pre.caches[name]))
-             for name, config in methods.items() if config is not None} if record else {}
-    return Comparison(results={name: results[name] for name in methods}, hit_rate=rates, prefill_s=pre.prefill_s)
-
-
-def _drain(events):
-    """Run a text generator to its return value."""
-    while True:
-        try:
-            next(events)
-        except StopIteration as stop:
-            return stop.value
+    rates = {}
+    if record:
+        rates = {name: attention_hit_rate(recorder.totals, kept[name])
+                 for name, config in methods.items() if config is not None}
+    return Comparison(results={name: results[name] for name in methods}, hit_rate=rates, prefill_s=prefill_s)

@@ -18,9 +18,10 @@ import torch
 
 from . import attention, cited, compare as comparing, loading, structured
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
-from .generation import Runner, SamplingOptions
 from .prompts import DEFAULT_INSTRUCTION, DocumentLike
 from .results import GenerationResult, Timings, finish_result
+from .runner import Runner
+from .sampling import SamplingOptions
 from .scheduler import Outcome, Scheduler, SchedulerStats, Ticket
 from .text import Message, Request, check_question, encode_request, normalise_messages
 from .tools import ToolPlan
@@ -107,7 +108,6 @@ class SnapKVLLM:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
         self.runner = Runner(self.model, eos_ids=frozenset(eos), pad_id=pad, base=self.attn_implementation,
                              prefill_chunk=prefill_chunk, compile=compile)
-        attention.attach(self.model, self.attn_implementation)
         self.device = self.runner.device
         self.compile, self.prefill_chunk = compile, prefill_chunk
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch=max_batch, max_kv_bytes=max_kv_bytes)
@@ -116,7 +116,7 @@ class SnapKVLLM:
         """Stop the scheduler's worker (requests still running end with an error) and switch the
         model back to its own attention implementation. A later call starts a new worker."""
         self.scheduler.close()
-        attention.detach(self.model)
+        self.runner.close()
 
     def stats(self) -> SchedulerStats:
         """Requests waiting and decoding now, the batch limit, and totals so far."""
@@ -240,9 +240,12 @@ class SnapKVLLM:
         return results
 
     def compare(self, question: str, documents: Sequence[DocumentLike] | None = None, *,
-                methods: Mapping[str, Any], hit_rate: bool = True, **options) -> Comparison:
+                methods: Mapping[str, Any], hit_rate: bool = True, together: bool = False,
+                **options) -> Comparison:
         """Run several compression methods (``methods``: name -> config, ``None`` for the full cache)
-        on one prompt with ONE shared prefill; each result equals ``generate`` with that method."""
+        on one prompt with ONE shared prefill; each result equals ``generate`` with that method.
+        ``together=True`` decodes the methods as rows of one batch (faster; each method's decode
+        ms/token is then the batch step's); by default one after another, each timed alone."""
         if not methods:
             raise ValueError("methods: give at least one method")
         request = self.request(check_question(question), documents, options.get("cite", "text"))
@@ -251,7 +254,7 @@ class SnapKVLLM:
                    for name, config in configs.items()}
         sampling, stop, _ = self._options({k: v for k, v in options.items() if k != "snapkv"}, request)
         try:
-            return comparing.compare(self.runner, self.tokenizer, request, configs, sampling, stop, hit_rate)
+            return comparing.compare(self.scheduler, request, configs, sampling, stop, hit_rate, together)
         except torch.OutOfMemoryError as error:
             raise self._out_of_memory(error, len(request.input_ids), next(iter(configs.values()))) from error
 

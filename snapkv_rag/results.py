@@ -87,11 +87,12 @@ class GenerationResult:
         return data
 
 
-def compression_stats(cache, row: int, prompt_tokens: int, selection_ms: float) -> CompressionStats:
-    """What ``cache`` keeps of row ``row``'s prompt: kept tokens and bytes read from its buffers."""
-    full_bytes, kept_bytes = cache.kv_bytes(row, prompt_tokens)
-    return CompressionStats(method="full" if cache.method is None else cache.method.method,
-                            prompt_tokens=prompt_tokens, kept_tokens=cache.kept_tokens(row, prompt_tokens),
+def compression_stats(compressed, selection_ms: float) -> CompressionStats:
+    """What a request's compressed cache (:class:`snapkv_rag.cache.Compressed`) keeps of its prompt:
+    kept tokens and bytes read from its buffers."""
+    full_bytes, kept_bytes = compressed.kv_bytes()
+    return CompressionStats(method="full" if compressed.method is None else compressed.method.method,
+                            prompt_tokens=compressed.prompt_tokens, kept_tokens=compressed.kept_tokens(),
                             ratio=kept_bytes / full_bytes if full_bytes else 1.0,
                             kv_bytes_full=full_bytes, kv_bytes_kept=kept_bytes, selection_ms=selection_ms)
 
@@ -106,10 +107,3 @@ def finish_result(row_text, documents: list[Document], prompt_tokens: int, compr
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(row_text.token_ids)),
         compression=compression, timings=timings, finish_reason=row_text.finish_reason, documents=documents,
         raw_text=row_text.text)
-
-
-def build_result(row_text, documents: list[Document], prompt_tokens: int, cache, row: int, prefill_s: float,
-                 selection_ms: float, batch_size: int = 1) -> GenerationResult:
-    """A :class:`GenerationResult` for row ``row`` of ``cache`` (the cache it decoded from)."""
-    return finish_result(row_text, documents, prompt_tokens, compression_stats(cache, row, prompt_tokens, selection_ms),
-                         Timings(prefill_s=prefill_s, decode_ms_per_token=0.0, batch_size=batch_size))

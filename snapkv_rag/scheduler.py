@@ -1,19 +1,18 @@
 """Continuous batching: one worker thread owns the model; callers from any thread or event loop
-submit requests and receive their text as it is decoded.
+submit requests and receive their text as it is decoded. The scheduler decides, the runner
+(:mod:`snapkv_rag.runner`) executes. The worker's loop, top to bottom::
 
-The worker's loop, top to bottom::
-
-    job = next waiting request, if a batch slot (and KV memory) is free   # arrival order
+    job = next waiting request, if a row is free (and KV memory fits)        # arrival order
     start(job):  prefill it alone, at its own length -> select (compress) -> first token
-                 -> its cache joins the running batch (batching.merge)
-    step():      one decode step for every running row, each row sampled with its own settings;
-                 finished and cancelled rows leave at once (batching.keep_rows)
+                 -> its compressed cache is written into the lowest free row of the slot cache
+    step():      one decode step for rows [0, bucket), tokens picked on the device, ONE copy of
+                 them to the host; finished and cancelled rows are freed (metadata only)
 
 At most one prefill runs between two decode steps, so a running request waits at most one prefill
-(the longest prompt admitted) for its next token. Prompts are never padded to each other: each is
-prefilled alone, and after SnapKV every row holds about the budget, so rows decode together with
-little padding. A row's tokens are those it gets alone: same cache contents, same positions, its
-own sampling generator; only the batched arithmetic may round differently.
+for its next token. Prompts are never padded to each other: each is prefilled alone. A request
+already prefilled (``compare``: one prefill, several methods) joins the same way, so every
+decode -- the engine's, ``compare``'s, the evals' -- runs this one loop. A row's tokens are those
+it gets alone: same cache contents, same positions, its own sampling seed and step.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import dataclasses
 import queue
 import threading
 import time
@@ -30,9 +30,12 @@ from typing import Any, AsyncIterator, Iterator
 
 import torch
 
-from . import batching
-from .generation import Batch, Runner, SamplingOptions, decode_step, prefill, sample
+from . import structured
+from .cache import Compressed
 from .results import CompressionStats, compression_stats
+from .runner import Prefilled, Runner, StepClock
+from .sampling import GREEDY, SamplingOptions, SamplingSlots, sample
+from .slots import SlotCache
 from .text import Request, RowText, TextState
 
 _PIECE, _DONE, _ERROR = "piece", "done", "error"
@@ -47,6 +50,7 @@ class Outcome:
     prefill_s: float
     queued_s: float
     batch_size: int
+    kept_positions: dict | None = None  # per layer, the prompt positions kept (requests of a group)
 
 
 @dataclass
@@ -110,6 +114,16 @@ class Ticket:
 
 
 @dataclass
+class Group:
+    """Requests that share one prefill: one per compression method of ``methods`` (``compare``)."""
+
+    ids: list[int]
+    methods: dict[str, Any]
+    together: bool = False  # decode as rows of one batch; else one after another (own timings)
+    prefilled: Prefilled | None = None
+
+
+@dataclass
 class Job:
     """One request inside the scheduler, and the worker's state for it."""
 
@@ -118,12 +132,12 @@ class Job:
     stop: list[str]
     config: Any
     ticket: Ticket
+    group: Group | None = None
+    name: str = ""  # its method's name in ``group``
+    recorder: Any = None  # compare's hit-rate recorder (its row decodes eagerly)
     submitted: float = field(default_factory=time.perf_counter)
     text: TextState | None = None
-    generator: torch.Generator | None = None
     constraint: Any = None
-    position: int = 0
-    last: int = 0
     step_ms: list[float] = field(default_factory=list)
     batch_size: int = 1
     outcome: dict = field(default_factory=dict)
@@ -146,11 +160,11 @@ class Scheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         self._worker: threading.Thread | None = None
         self._closing = False
-        self.running: list[Job] = []
-        self.cache = None
+        self.running: dict[int, Job] = {}  # row of the slot cache -> its request
+        self.slots: SlotCache | None = None
+        self.sampling: SamplingSlots | None = None
+        self._first = SamplingSlots(1, runner.device)  # picks a joining request's first token
         self._bytes_per_slot: float | None = None
-        self._merge = True
-        self._compiled = False
         self._totals = {"finished": 0, "generated_tokens": 0, "prompt_tokens": 0, "kept_prompt_tokens": 0}
 
     # ------------------------------------------------------------ callers' side
@@ -159,16 +173,34 @@ class Scheduler:
         """Queue a request; its pieces and outcome come through the returned :class:`Ticket`
         (delivered on ``loop`` for async callers)."""
         ticket = Ticket(loop)
-        job = Job(request, sampling, list(stop), config, ticket)
+        self._queue([Job(request, _seeded(sampling), list(stop), config, ticket)])
+        return ticket
+
+    def submit_group(self, requests: dict[str, Request], methods: dict[str, Any], sampling: SamplingOptions,
+                     stop: list[str], recorders: dict[str, Any] | None = None, together: bool = False
+                     ) -> dict[str, Ticket]:
+        """Queue one request per method of ``methods`` (name -> config) over the same prompt: one
+        prefill fills all their caches, then they join the batch like any request: ``together``,
+        as rows of one step; else each after the previous one finished (so that each has its own
+        decode timings). ``requests`` gives each its own :class:`Request` (its own grammar state);
+        ``recorders`` a hit-rate recorder."""
+        first = next(iter(requests.values()))
+        group = Group(first.input_ids, dict(methods), together)
+        sampling = _seeded(sampling)
+        jobs = [Job(requests[name], sampling, list(stop), methods[name], Ticket(), group=group, name=name,
+                    recorder=(recorders or {}).get(name)) for name in methods]
+        self._queue(jobs)
+        return {job.name: job.ticket for job in jobs}
+
+    def _queue(self, jobs: list[Job]) -> None:
         with self._cond:
             if self._worker is None or not self._worker.is_alive():
                 self._closing = False
                 self._worker = threading.Thread(target=self._work, name="snapkv-scheduler", daemon=True)
                 self._worker.start()
                 _LIVE.add(self)
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
             self._cond.notify()
-        return ticket
 
     def stats(self) -> SchedulerStats:
         with self._cond:
@@ -204,8 +236,13 @@ class Scheduler:
                 return _STOP
             while self._waiting and self._waiting[0].ticket.cancelled.is_set():
                 self._waiting.popleft()
-            limit = self.max_batch if self._merge else 1
-            if self._waiting and len(self.running) < limit and self._fits(self._waiting[0]):
+            recurrent = any(spec.state for spec in self.runner.specs)  # recurrent or hybrid: one row (slots.py)
+            limit = 1 if recurrent else self.max_batch
+            head = self._waiting[0] if self._waiting else None
+            if head is not None and head.group is not None and not head.group.together and any(
+                    job.group is head.group for job in self.running.values()):
+                return None  # the previous method of its group is still decoding
+            if head is not None and len(self.running) < limit and self._fits(head):
                 return self._waiting.popleft()
         return None
 
@@ -214,82 +251,86 @@ class Scheduler:
             return True
         def slots(j): return min(len(j.request.input_ids), getattr(j.config, "max_capacity_prompt", None) or 1 << 30
                                  ) + j.sampling.max_new_tokens
-        needed = sum(slots(j) for j in [*self.running, job]) * self._bytes_per_slot
+        needed = sum(slots(j) for j in [*self.running.values(), job]) * self._bytes_per_slot
         return needed <= self.max_kv_bytes
 
+    def _prefill(self, job: Job) -> tuple[Compressed, torch.Tensor, float]:
+        """The request's compressed cache, its prompt's next-token logits ``[1, V]`` and the prefill time."""
+        if job.group is None:
+            pre = self.runner.prefill([job.request.input_ids], {"": job.config})
+        else:
+            if job.group.prefilled is None:
+                job.group.prefilled = self.runner.prefill([job.group.ids], job.group.methods)
+            pre = job.group.prefilled
+        return pre.compressed[job.name][0], pre.logits, pre.prefill_s
+
     def _start(self, job: Job) -> None:
-        """Prefill and select one request alone, sample its first token, and add its row."""
-        ids = job.request.input_ids
+        """Prefill and select one request alone (or take its group's prefill), sample its first
+        token, and write its cache into the lowest free row."""
         begin = time.perf_counter()
         try:
-            pre = prefill(self.runner, Batch.of([ids], self.runner.pad_id, self.runner.device), {"": job.config},
-                          room=job.sampling.max_new_tokens)
-            cache = pre.caches[""]
-            stats = compression_stats(cache, 0, len(ids), pre.selection_ms(""))
-            job.outcome = {"compression": stats, "prefill_s": pre.prefill_s, "queued_s": begin - job.submitted}
-            if batching.can_merge(cache):
-                self._bytes_per_slot = stats.kv_bytes_kept / max(max(stats.kept_tokens), 1)
-            else:
-                self._merge = False
+            compressed, logits, prefill_s = self._prefill(job)
+            stats = compression_stats(compressed, 1000 * compressed.selection_s)
+            job.outcome = {"compression": stats, "prefill_s": prefill_s, "queued_s": begin - job.submitted,
+                           "kept_positions": compressed.kept_positions() if job.group is not None else None}
+            self._bytes_per_slot = stats.kv_bytes_kept / max(max(stats.kept_tokens), 1)
             job.text = TextState(self.tokenizer, job.stop)
-            job.generator = job.sampling.generator()
             job.constraint = getattr(job.request, "constraint", None)
-            job.position = len(ids)
-            token = self._pick(pre.logits, [job])[0]
+            self._first.set_row(0, job.sampling)
+            token = self.runner.to_host(self._pick(logits.clone(), [job], self._first, 1))[0]
             if not self._advance(job, token):
                 return
-            room = max(j.sampling.max_new_tokens - len(j.text.ids) for j in [*self.running, job])
-            merged = cache if self.cache is None else batching.merge([self.cache, cache], room)
+            if self.slots is None:
+                self.slots = self.runner.new_slots(self.max_batch)
+                self.sampling = SamplingSlots(self.slots.max_rows, self.runner.device)
+            row = self.slots.free_row()
+            self.slots.join(row, compressed, room=job.sampling.max_new_tokens, token=token)
         except Exception as error:  # noqa: BLE001 - handed to the caller, who raises it
             job.ticket.put(_ERROR, error)
             return
-        self.cache = merged
-        self.running.append(job)
-        self._static()
-        for j in self.running:
+        self.sampling.set_row(row, job.sampling)
+        self.sampling.step[row] = 1  # its first token drew step 0
+        if job.recorder is not None:
+            job.recorder.bind(self.slots, row)
+        self.running[row] = job
+        for j in self.running.values():
             j.batch_size = max(j.batch_size, len(self.running))
 
     def _step(self) -> None:
         """One decode step for the running batch; rows that finish (or were cancelled) leave."""
-        running = self.running
-        keep = [i for i, job in enumerate(running) if not job.ticket.cancelled.is_set()]
-        if len(keep) < len(running):
-            self._keep(keep)
-            running = self.running
-            if not running:
-                return
-        device = self.runner.device
-        tokens = torch.tensor([job.last for job in running], device=device)
-        positions = torch.tensor([job.position for job in running], device=device)
-        begin = time.perf_counter()
-        try:
-            logits = decode_step(self.runner, self.cache, tokens, positions, self._compiled)
-        except Exception as error:  # noqa: BLE001 - every row of the failed step gets the error
-            for job in running:
-                job.ticket.put(_ERROR, error)
-            self.running, self.cache = [], None
+        for row in [r for r, job in self.running.items() if job.ticket.cancelled.is_set()]:
+            self._leave(row)
+        if not self.running:
             return
-        ms = 1000 * (time.perf_counter() - begin)
-        for job in running:
+        slots = self.slots
+        b = slots.batch_rows()
+        jobs = [self.running.get(row) for row in range(b)]
+        constrained = any(job is not None and job.constraint is not None for job in jobs)
+        kind = self.sampling.kind(b)
+        pick = None if kind == GREEDY and not constrained else (
+            lambda logits: self._pick(logits, jobs, self.sampling, b))
+        clock = StepClock(self.runner.device)
+        try:
+            tokens = self.runner.to_host(self.runner.decode_step(slots, b, pick))
+        except Exception as error:  # noqa: BLE001 - every row of the failed step gets the error
+            for job in self.running.values():
+                job.ticket.put(_ERROR, error)
+            self.running, self.slots = {}, None
+            return
+        ms = clock.ms() - 1000 * slots.record_s
+        slots.record_s = 0.0
+        for row, job in list(self.running.items()):
             job.step_ms.append(ms)
-            job.position += 1
-        picked = self._pick(logits, running)
-        alive = [i for i, (job, token) in enumerate(zip(running, picked)) if self._advance(job, token)]
-        if len(alive) < len(running):
-            self._keep(alive)
+            slots.decoded[row] += 1
+            if not self._advance(job, tokens[row]):
+                self._leave(row)
 
-    def _pick(self, logits: torch.Tensor, jobs: list[Job]) -> list[int]:
-        """Each row's next token under its own settings (and grammar, if it has one)."""
-        constraints = [job.constraint for job in jobs]
+    def _pick(self, logits: torch.Tensor, jobs: list[Job | None], sampling: SamplingSlots, rows: int) -> torch.Tensor:
+        """Each row's next token under its own settings (and grammar, if it has one), on the device."""
+        constraints = [job.constraint if job is not None else None for job in jobs]
         if any(c is not None for c in constraints):
-            from .structured import apply_masks  # only requests with a response format need it
-
-            apply_masks(logits, constraints)
-        picked = logits.argmax(dim=-1).tolist()  # greedy rows: one device-to-host copy for all
-        for row, job in enumerate(jobs):
-            if job.sampling.temperature > 0:
-                picked[row] = int(sample(logits[row:row + 1], job.sampling, job.generator)[0])
-        return picked
+            structured.apply_masks(logits, constraints)
+        return sample(logits, sampling, rows)
 
     def _advance(self, job: Job, token: int) -> bool:
         """Hand ``token`` to ``job``'s caller; whether the job goes on decoding."""
@@ -306,7 +347,6 @@ class Scheduler:
             return self._finish(job, "stop")
         if len(job.text.ids) >= job.sampling.max_new_tokens:
             return self._finish(job, "length")
-        job.last = token
         return True
 
     def _finish(self, job: Job, reason: str) -> bool:
@@ -325,21 +365,27 @@ class Scheduler:
         job.ticket.put(_DONE, Outcome(row=row, batch_size=job.batch_size, **job.outcome))
         return False
 
-    def _keep(self, rows: list[int]) -> None:
-        self.running = [self.running[i] for i in rows]
-        room = max((j.sampling.max_new_tokens - len(j.text.ids) for j in self.running), default=0)
-        self.cache = batching.keep_rows(self.cache, rows, room)
-        self._static()
-
-    def _static(self) -> None:
-        self._compiled = bool(self.runner.compile) and self.cache is not None and self.cache.make_static() is not None
+    def _leave(self, row: int) -> None:
+        job = self.running.pop(row)
+        if job.recorder is not None:
+            self.slots.recorder = None
+        self.slots.leave(row)
+        self.sampling.clear_row(row)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
-            jobs, self._waiting = [*self.running, *self._waiting], collections.deque()
+            jobs, self._waiting = [*self.running.values(), *self._waiting], collections.deque()
         for job in jobs:
             job.ticket.put(_ERROR, error)
-        self.running, self.cache = [], None
+        self.running, self.slots = {}, None
+
+
+def _seeded(sampling: SamplingOptions) -> SamplingOptions:
+    """A sampled request's seed fixed once (the clock's, if none was given): its first token and the
+    rest of its tokens draw from the same seed, alone or in a batch."""
+    if sampling.temperature > 0 and sampling.seed is None:
+        return dataclasses.replace(sampling, seed=time.time_ns() % 2**62)
+    return sampling
 
 
 class Closed(RuntimeError):

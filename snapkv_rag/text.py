@@ -1,19 +1,14 @@
-"""From messages to token ids, and from decoded tokens back to text with stop strings.
-
-:func:`decode_text` is :func:`snapkv_rag.generation.decode` seen as text: it detokenises each row
-incrementally, stops a row when one of its stop strings appears (the stop string never reaches the
-text) and yields ``(row, piece)`` as text becomes final; its return value is one
-:class:`RowText` per row.
-"""
+"""From messages to token ids, and from decoded tokens back to text with stop strings: the
+scheduler feeds each row's tokens to its :class:`TextState`, which detokenises incrementally and
+stops the row when one of its stop strings appears (the stop string never reaches the text)."""
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .config import PromptSpans
-from .generation import Finished, Prefilled, Runner, SamplingOptions, Token, decode
 from .prompts import QUESTION_MARK, Document, DocumentLike, document_blocks, rag_user_message, to_documents
 from .tools import for_template, has_tool_section, normalise_tool_calls, render_without_tool_section
 
@@ -191,31 +186,3 @@ class TextState:
     def _emit(self, upto: int) -> str:
         piece, self.emitted = self.text[self.emitted:upto], upto
         return piece
-
-
-def decode_text(runner: Runner, tokenizer, pre: Prefilled, name: str, options: SamplingOptions,
-                stop: Sequence[str] = (), constraints: Sequence[Any] | None = None) -> Iterator[tuple[int, str]]:
-    """Decode ``pre.caches[name]`` as text: yields ``(row, piece)``; returns ``list[RowText]``.
-    ``constraints``: one response-format constraint (or ``None``) per row, see :func:`decode`."""
-    states = [TextState(tokenizer, stop) for _ in pre.batch.lengths]
-    stopped: set[int] = set()
-    finished: dict[int, Finished] = {}
-    events = decode(runner, pre, name, options, stopped, constraints)
-    try:
-        for event in events:
-            state = states[event.row]
-            if isinstance(event, Token):
-                piece = state.push(event.token_id)
-                if state.finished:
-                    stopped.add(event.row)
-            else:
-                finished[event.row] = event
-                state.finished = state.finished or event.reason
-                piece = state.flush()
-            if piece:
-                yield event.row, piece
-    finally:
-        events.close()
-    return [RowText(text=state.text, finish_reason=state.finished or "length", token_ids=state.ids,
-                    decode_ms_per_token=finished[row].ms_per_token, decode_step_ms=finished[row].step_ms)
-            for row, state in enumerate(states)]

@@ -9,6 +9,7 @@ the cache physically holds; a padded batch equals single calls; ``compare`` equa
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import pytest
@@ -54,10 +55,22 @@ def family(request, tokenizer):
                                     max_new_tokens=NEW)
 
 
-def reference_text(llm, tokenizer, ids):
+def reference_text(llm, tokenizer, ids, dtype=torch.float32) -> tuple[str, list[str]]:
+    """transformers' own greedy answer, and in bf16 the starts of the answers that turn away from it
+    at a near tie: at a step whose two best logits lie within one bf16 step of each other, the
+    runner-up. The engine attends over its fixed slot buffer, whose sums may round one bf16 step
+    differently from transformers' exact-length cache, so at such a step either token is greedy."""
     out = llm.model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, pad_token_id=2,
-                             eos_token_id=2)[0, len(ids):].tolist()
-    return tokenizer.decode(out[: out.index(2)] if 2 in out else out, skip_special_tokens=True)
+                             eos_token_id=2, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(ids):].tolist()
+    end = tokens.index(2) if 2 in tokens else len(tokens)
+    turns = []
+    for step, scores in enumerate(out.scores[:end] if dtype != torch.float32 else []):
+        (best, second), picks = scores[0].float().topk(2)
+        if best - second <= torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(abs(best.item()))):
+            other = picks[1] if picks[0] == tokens[step] else picks[0]
+            turns.append(tokenizer.decode(tokens[:step] + [int(other)], skip_special_tokens=True))
+    return tokenizer.decode(tokens[:end], skip_special_tokens=True), turns
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -67,7 +80,8 @@ def test_full_cache_equals_model_generate(name, dtype, tokenizer):
     docs = filler_documents(4)
     result = llm.generate(QUESTION, docs, snapkv=False)
     assert result.usage.completion_tokens > 0
-    assert result.text == reference_text(llm, tokenizer, llm.request(QUESTION, docs).input_ids)
+    expected, turns = reference_text(llm, tokenizer, llm.request(QUESTION, docs).input_ids, dtype)
+    assert result.text == expected or any(result.text.startswith(turn) for turn in turns), (result.text, expected)
 
 
 def test_budget_above_the_prompt_is_the_full_cache(family):
@@ -146,12 +160,10 @@ def test_kept_kv_are_the_full_kv_at_an_independent_snapkv_selection(name, tokeni
             model(torch.tensor([ids]), **{llm.runner.cache_kwarg: dyn}, use_cache=True)
     finally:
         llm.close()
-    from snapkv_rag.generation import Batch, prefill
-
-    pre = prefill(llm.runner, Batch.of([ids], 2), {"snap": BUDGET}, room=1)
+    kept_cache = llm.runner.prefill([ids], {"snap": BUDGET}).compressed["snap"][0]
     calls = capture.by_layer(dyn)
     checked = 0
-    for i, layer in enumerate(pre.caches["snap"].layers):
+    for i, layer in enumerate(kept_cache.layers):
         if i not in calls:  # a recurrent / conv or MLP-only layer: passed through
             assert not hasattr(layer, "positions")
             continue
@@ -164,15 +176,15 @@ def test_kept_kv_are_the_full_kv_at_an_independent_snapkv_selection(name, tokeni
                                        BUDGET.max_capacity_prompt, BUDGET.window_size, shared) + start
         if shared:
             expected = expected.expand(1, full_k.shape[1], -1)
-        kept = layer.positions[:, :, : layer.prompt_slots]
+        kept = layer.positions
         assert torch.equal(kept, expected), f"layer {i}"
         index = (kept - start)[..., None]
-        assert torch.equal(layer.keys[:, :, : layer.prompt_slots], full_k.gather(2, index.expand(-1, -1, -1, full_k.shape[-1])))
-        assert torch.equal(layer.values[:, :, : layer.prompt_slots], full_v.gather(2, index.expand(-1, -1, -1, full_v.shape[-1])))
+        assert torch.equal(layer.keys, full_k.gather(2, index.expand(-1, -1, -1, full_k.shape[-1])))
+        assert torch.equal(layer.values, full_v.gather(2, index.expand(-1, -1, -1, full_v.shape[-1])))
         checked += 1
     assert checked >= 1
     if isinstance(dyn.layers[0], DynamicSlidingWindowLayer):  # the sliding share is never exceeded
-        assert pre.caches["snap"].layers[0].prompt_slots <= dyn.layers[0].sliding_window - 1
+        assert kept_cache.layers[0].slots <= dyn.layers[0].sliding_window - 1
 
 
 @pytest.mark.parametrize("name", NAMES)

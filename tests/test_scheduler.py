@@ -159,3 +159,14 @@ def test_closing_the_engine_ends_waiting_requests_with_an_error(tiny_model, toke
     with pytest.raises(RuntimeError, match="closed"):
         list(second)
     assert llm.generate("Which river?", docs, max_new_tokens=3).usage.completion_tokens <= 3  # usable again
+
+
+def test_compare_together_decodes_the_methods_as_rows_of_one_batch(batched):
+    docs = filler_documents(4)
+    methods = {"full": None, "snapkv": CONFIGS[0], "streaming": CONFIGS[3]}
+    both = batched.compare("What lies north?", docs, methods=methods, together=True, max_new_tokens=8)
+    for name, config in methods.items():
+        alone = batched.generate("What lies north?", docs, snapkv=config, max_new_tokens=8)
+        assert both.results[name].text == alone.text, name
+        assert both.results[name].timings.batch_size == len(methods), name
+    assert set(both.hit_rate) == {"snapkv", "streaming"}

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from snapkv_rag import SchemaError, SnapKVConfig, StreamingLLMConfig, cited
-from snapkv_rag.generation import Batch, SamplingOptions, prefill
+from snapkv_rag.sampling import SamplingOptions
+from snapkv_rag.scheduler import Outcome
 from snapkv_rag.structured import apply_masks, closing_path, compile_format
-from snapkv_rag.text import decode_text
 
 from snapkv_testing import filler_documents
 
@@ -46,27 +46,23 @@ def test_same_schema_compiles_once(tiny_engine):
     assert _format(tiny_engine) is _format(tiny_engine, json.loads(json.dumps(BOUNDED)))
 
 
-def test_constrained_and_free_rows_in_one_batch(tiny_engine, tokenizer):
-    """Row 0 is held to the schema and parses; row 1 decodes exactly as it would alone."""
-    runner = tiny_engine.runner
-    prompts = [tiny_engine.request("Pick a colour.").input_ids,
-               tiny_engine.request("What lies north?", filler_documents(2)).input_ids]
+def test_constrained_and_free_rows_in_one_batch(tiny_engine):
+    """Row 0 is held to the schema and parses; row 1, in the same decode steps, decodes exactly as
+    it would alone."""
+    scheduler = tiny_engine.scheduler
+    constrained = tiny_engine.request("Pick a colour.")
+    constrained.constraint = _format(tiny_engine).new_constraint()
+    free = tiny_engine.request("What lies north?", filler_documents(2))
     options = SamplingOptions(max_new_tokens=40)
 
-    def run(ids, constraints):
-        pre = prefill(runner, Batch.of(ids, runner.pad_id), {"": None}, room=40)
-        text = decode_text(runner, tokenizer, pre, "", options, (), constraints)
-        while True:
-            try:
-                next(text)
-            except StopIteration as done:
-                return done.value
+    def outcome(ticket) -> Outcome:
+        return next(item for item in ticket if isinstance(item, Outcome))
 
-    both = run(prompts, [_format(tiny_engine).new_constraint(), None])
-    alone = run(prompts[1:], None)
-    assert both[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(both[0].text), BOUNDED)
-    assert both[1].token_ids == alone[0].token_ids
+    alone = outcome(scheduler.submit(free, options, [], None))
+    both = [outcome(ticket) for ticket in [scheduler.submit(r, options, [], None) for r in (constrained, free)]]
+    assert both[0].row.finish_reason == "stop" and both[0].batch_size == 2
+    jsonschema.validate(json.loads(both[0].row.text), BOUNDED)
+    assert both[1].row.token_ids == alone.row.token_ids
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_p": 0.9, "seed": 3}])
@@ -125,8 +121,7 @@ def test_bad_schema_raises_before_prefill(tiny_engine, monkeypatch, bad, message
     def no_prefill(*args, **kwargs):
         raise AssertionError("prefill ran")
 
-    monkeypatch.setattr("snapkv_rag.scheduler.prefill", no_prefill)
-    monkeypatch.setattr("snapkv_rag.compare.prefill", no_prefill)
+    monkeypatch.setattr("snapkv_rag.runner.Runner.prefill", no_prefill)
     calls = [lambda: tiny_engine.generate("q?", response_format=bad),
              lambda: tiny_engine.stream("q?", response_format=bad),
              lambda: tiny_engine.generate_batch(["q?"], response_format=bad),

@@ -1,0 +1,257 @@
+"""The model runner: executes what the scheduler decides (nano-vllm / vLLM v1 style).
+
+    runner = Runner(model, eos_ids=frozenset({2}), pad_id=2)      # attention attached once
+    pre = runner.prefill([[1, 5, 9, ...]], {"snapkv": SnapKVConfig(), "full": None})
+    slots = runner.new_slots(max_rows=16)
+    slots.join(0, pre.compressed["snapkv"][0], room=32, token=first)
+    tokens = runner.decode_step(slots, slots.batch_rows())          # on the device, no host sync
+    runner.to_host(tokens)                                         # the step's one copy
+    runner.close()                                                 # the model's attention back
+
+:meth:`Runner.prefill` runs the prompts once inside ``with compressing(cache, methods, lengths)``:
+each attention layer is compressed right after its attention, once per method, so several methods
+share one prefill. :meth:`Runner.decode_step` runs one token for rows ``[0, b)`` of a
+:class:`~snapkv_rag.slots.SlotCache` and picks the next tokens on the device: greedy inside the
+step; rows that sample or follow a grammar are picked by the caller's ``pick`` after it.
+
+With ``compile``, the step of each (batch bucket, cache allocation) is compiled once, lazily at its
+first use (the time is logged once per bucket): on CUDA ``compile=True`` captures the whole greedy
+step (forward + argmax) in a ``torch.cuda.CUDAGraph`` and replays it; a ``torch.compile`` mode name,
+or any other device, runs the same step function through ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import attention
+from .cache import Compressed, PromptCache, compressing, layer_specs
+from .slots import SlotCache
+
+log = logging.getLogger("snapkv_rag")
+
+
+@dataclass
+class Batch:
+    """Prompts as token ids, left padded to one length: ``ids``/``mask`` ``[B, L]``, ``lengths`` [B]."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    lengths: list[int]
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], pad_id: int, device=None) -> Batch:
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("prompts: expected non-empty lists of token ids")
+        lengths = [len(p) for p in prompts]
+        longest = max(lengths)
+        ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            mask[row, longest - len(prompt):] = 1
+        return cls(ids.to(device), mask.to(device), lengths)
+
+    @property
+    def padded(self) -> bool:
+        return len(set(self.lengths)) > 1
+
+
+@dataclass
+class Prefilled:
+    """What :meth:`Runner.prefill` returns: per method one :class:`Compressed` per prompt, the
+    next-token logits ``[B, V]`` and the prefill's wall time (selection included)."""
+
+    compressed: dict[str, list[Compressed]]
+    logits: torch.Tensor
+    prefill_s: float
+
+
+class Runner:
+    """A transformers causal LM and how to run it: one forward pass at a time (``lock``), its base
+    attention implementation (attached at construction, restored by :meth:`close`), MLP slicing for
+    long prompts, compiled decode steps."""
+
+    def __init__(self, model, eos_ids: frozenset[int], pad_id: int, base: str = "sdpa",
+                 prefill_chunk: int | None = 4096, compile: bool | str = False):
+        self.model, self.eos_ids, self.pad_id, self.base = model, eos_ids, pad_id, base
+        self.prefill_chunk, self.compile = prefill_chunk, compile
+        self.lock = threading.Lock()
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.keep_last = "logits_to_keep" in params
+        self.specs = layer_specs(model.config, model)  # (refuses an unsupported model here, before any work)
+        self.device = next(model.parameters()).device
+        self._steps: dict[tuple, Callable[[], torch.Tensor]] = {}
+        self._host: torch.Tensor | None = None
+        self._pool = None
+        self.attach()
+
+    def attach(self) -> None:
+        """Route the model's attention through our wrapper: at construction, and checked (a string
+        compare) by each prefill, so that the first request after :meth:`close` attaches it again.
+        Decode steps never touch it."""
+        attention.attach(self.model, self.base)
+
+    def close(self) -> None:
+        """Give the model its own attention implementation back (and drop the compiled steps)."""
+        attention.detach(self.model)
+        self._steps.clear()
+
+    # ------------------------------------------------------------ prompt
+    def prefill(self, prompts: list[list[int]], methods: Mapping[str, Any]) -> Prefilled:
+        """Run ``prompts`` once (left padded) and compress them under every method of ``methods``
+        (name -> config, ``None`` for the full cache). Only the kept caches differ: the prefill
+        itself sees the whole prompt."""
+        self.attach()
+        batch = Batch.of(prompts, self.pad_id, self.device)
+        cache = PromptCache(self.model.config, self.specs)
+        positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+        start = time.perf_counter()
+        sliced = attention.sliced_mlps(self.model, self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
+        with self.lock, torch.inference_mode(), sliced, compressing(cache, methods, batch.lengths) as compressed:
+            logits = self._forward(batch.ids, batch.mask if batch.padded else None, positions, cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # prefill time is wall time of the work, not its launch
+        return Prefilled(compressed=compressed, logits=logits, prefill_s=time.perf_counter() - start)
+
+    # ------------------------------------------------------------ decode
+    def new_slots(self, max_rows: int) -> SlotCache:
+        return SlotCache(self.model.config, self.specs, max_rows, self.device, keep=bool(self.compile))
+
+    def decode_step(self, slots: SlotCache, b: int, pick: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> torch.Tensor:
+        """One token for rows ``[0, b)`` of ``slots``; returns the next tokens ``[b]`` on the device
+        (also fed by the next step). ``pick`` (logits -> tokens) replaces the greedy argmax, for rows
+        that sample or follow a grammar; the step is then compiled without it. No host sync."""
+        with self.lock, torch.inference_mode():
+            if not self.compile or slots.recorder is not None or slots.recurrent:  # eager-only cases
+                if pick is None:
+                    return self._decode(slots, b, greedy=True)
+                logits = self._decode(slots, b)
+            elif pick is None:
+                return self._compiled(slots, b, True)()
+            else:
+                logits = self._compiled(slots, b, False)()
+            slots.tokens[:b].copy_(pick(logits))
+            return slots.tokens[:b]
+
+    def to_host(self, tokens: torch.Tensor) -> list[int]:
+        """The step's one device-to-host copy: the sampled ids (EOS is read from them on the host).
+        On CUDA through a pinned buffer, non-blocking, then waited for on an event."""
+        if tokens.device.type != "cuda":
+            return tokens.tolist()
+        if self._host is None or self._host.numel() < tokens.numel():
+            self._host = torch.empty(max(tokens.numel(), 16), dtype=torch.long, pin_memory=True)
+        host = self._host[: tokens.numel()]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return host.tolist()
+
+    def _decode(self, slots: SlotCache, b: int, greedy: bool = False) -> torch.Tensor:
+        """The step function: marks the slots, runs the model, moves the rows on. Greedy: the
+        argmax is part of it and written where the next step reads its tokens."""
+        positions = slots.begin_step(b)
+        logits = self._forward(slots.tokens[:b, None], slots.no_mask(b), positions[:, None], slots)
+        slots.end_step(b)
+        if greedy:
+            slots.tokens[:b].copy_(logits.argmax(dim=-1))
+            return slots.tokens[:b]
+        return logits
+
+    def _compiled(self, slots: SlotCache, b: int, greedy: bool) -> Callable[[], torch.Tensor]:
+        """The step for ``b`` rows of this allocation of ``slots``, compiled (or captured) at first use."""
+        key = (id(slots), slots.generation, b, greedy)
+        step = self._steps.get(key)
+        if step is None:
+            for old in [k for k in self._steps if k[0] == id(slots) and k[1] != slots.generation]:
+                del self._steps[old]  # a graph of buffers since reallocated
+            what = f"decode step for {b} rows x {slots.capacity} slots"
+            if self.device.type == "cuda" and self.compile is True:
+                begin = time.perf_counter()
+                if self._pool is None:  # one memory pool shared by every captured bucket
+                    self._pool = torch.cuda.graph_pool_handle()
+                step = _capture(lambda: self._decode(slots, b, greedy), slots, self._pool)
+                log.info("snapkv_rag: %s captured in a CUDA graph in %.1f s", what, time.perf_counter() - begin)
+            else:
+                compiled = torch.compile(self._decode, mode=None if self.compile is True else self.compile,
+                                         dynamic=False)
+                step = _logged_first(lambda: compiled(slots, b, greedy), what)
+            self._steps[key] = step
+        return step
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  self.cache_kwarg: cache, "use_cache": True, attention.CACHE_KWARG: cache}
+        if self.keep_last:
+            kwargs["logits_to_keep"] = 1
+        return self.model(**kwargs).logits[:, -1, :]
+
+
+class StepClock:
+    """A decode step's time: CUDA events on CUDA (read after the step's one sync), else perf_counter."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.begin = time.perf_counter()
+
+    def ms(self) -> float:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()  # already reached: the tokens were copied to the host
+            return self.start.elapsed_time(self.end)
+        return 1000 * (time.perf_counter() - self.begin)
+
+
+def _logged_first(step: Callable[[], torch.Tensor], what: str) -> Callable[[], torch.Tensor]:
+    """``step``, whose first call (the one that compiles) logs how long it took."""
+    first = [True]
+
+    def run() -> torch.Tensor:
+        if not first[0]:
+            return step()
+        begin = time.perf_counter()
+        out = step()
+        first[0] = False
+        log.info("snapkv_rag: %s compiled in %.1f s", what, time.perf_counter() - begin)
+        return out
+
+    return run
+
+
+def _capture(step: Callable[[], torch.Tensor], slots: SlotCache, pool) -> Callable[[], torch.Tensor]:
+    """``step`` captured in a CUDA graph (warmed up on a side stream first) and replayed: its inputs
+    and outputs are the slot cache's buffers, at fixed addresses until the cache reallocates. The
+    warm-up runs write only the slots the real step writes again; the rows' counters are restored."""
+    saved = slots.counters.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+            slots.counters.copy_(saved)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    slots.counters.copy_(saved)
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay

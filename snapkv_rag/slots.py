@@ -1,0 +1,231 @@
+"""The decode side of the cache: static per-row slots that requests join and leave.
+
+Per attention layer, keys and values ``[rows, H_kv, capacity, D]`` are allocated once (rows and
+capacity in buckets, see :func:`bucket`), next to the original position of every slot, one tensor
+for all attention layers, ``positions`` ``[layers, rows, H_kv, capacity]`` (``-1``: empty). A
+request's compressed prompt (:class:`~snapkv_rag.cache.Compressed`, a value) joins by being written
+into the lowest free row, each layer right-aligned to the row's longest layer, so that one write
+index per row (``write_at``) serves every layer; nothing of another row is copied. A row that
+leaves is freed by metadata (its index and position reset on the device).
+
+A decode step runs rows ``[0, b)`` for a batch bucket ``b``: :meth:`SlotCache.begin_step` marks the
+slot each row writes and derives every layer's mask from ``positions`` in a few device ops (a
+sliding layer also drops what left its window), without a host sync; :meth:`SlotCache.end_step`
+advances the rows in use. A row of the bucket holding no request writes at its slot 0 and attends
+to it: its numbers stay finite and its token is ignored.
+
+Recurrent layers (Mamba / linear attention / conv state) are transformers' own objects, one
+request at a time; a hybrid layer (attention + Mamba state in one layer) has its attention part in
+slots like any attention layer and carries its state beside it, likewise one request at a time: a
+model with either decodes with one row (see the README for the per-row state design). Layers with
+no cache (MLP / MoE only) are transformers' own placeholders.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+from .cache import SLIDING, Compressed, LayerKV, LayerSpec, LayerTrackingCache, move_state
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16)
+MIN_CAPACITY = 256
+log = logging.getLogger("snapkv_rag")
+
+
+def bucket(needed: int) -> int:
+    """The power of two at least ``needed``: the batch sizes a step is compiled for."""
+    size = 1
+    while size < needed:
+        size *= 2
+    return size
+
+
+def capacity_bucket(needed: int) -> int:
+    """The slot count at least ``needed`` among 256, 384, 512, 768, 1024, 1536, ... (a power of two or
+    1.5 times one): few sizes to compile for, and at most a third of the buffer unused."""
+    size = MIN_CAPACITY
+    while size < needed:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+class SlotLayer(DynamicLayer):
+    """One attention layer's slots. ``update`` (called by the model's attention) writes the step's
+    token at each row's write index and returns the whole buffer of the bucket's rows."""
+
+    def __init__(self, spec: LayerSpec, cache: SlotCache, index: int):
+        super().__init__()
+        self.spec, self.cache, self.index = spec, cache, index
+        self.is_sliding = spec.kind == SLIDING
+        self.sliding_window = spec.window
+        self.keys = self.values = None
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # batch bucket -> its rows' buffers
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = self.views[key_states.shape[0]]
+        keys.index_put_(self.cache.step_index, key_states)
+        values.index_put_(self.cache.step_index, value_states)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        """Slots held by the longest row in use (host bookkeeping: no device read)."""
+        return max((held[self.index] + self.cache.decoded[row] for row, held in self.cache.held.items()), default=0)
+
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        return self.cache.capacity, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SlotHybridLayer(LinearAttentionLayer, SlotLayer):
+    """A hybrid layer's slots: the attention part as a :class:`SlotLayer`, the conv / SSM states (the
+    joining request's, handed over by :meth:`SlotCache.join`) updated in place by transformers' own
+    ``LinearAttentionLayer`` code (as in :class:`~snapkv_rag.cache.PromptHybridLayer`)."""
+
+    def __init__(self, spec: LayerSpec, cache: SlotCache, index: int, number_of_states: int):
+        SlotLayer.__init__(self, spec, cache, index)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+
+class SlotCache(LayerTrackingCache):
+    """The running batch's cache: at most ``max_rows`` requests (one for models with recurrent layers).
+    When the last row leaves, the buffers are given back, unless ``keep`` (compiled steps: their
+    graphs belong to one allocation, so it stays for the next requests)."""
+
+    def __init__(self, model_config, specs: list[LayerSpec], max_rows: int, device: torch.device,
+                 keep: bool = False):
+        super().__init__(config=model_config)
+        layers = list(self.layers) + [None] * (len(specs) - len(self.layers))
+        self.recurrent = any(spec.state for spec in specs)  # recurrent or hybrid layers: one row
+        self.max_rows = 1 if self.recurrent else max_rows
+        self.specs, self.device, self.keep = specs, device, keep
+        attention = [i for i, spec in enumerate(specs) if spec.attends]
+        self.layers = [layer if not spec.attends else SlotLayer(spec, self, attention.index(i)) if not spec.state
+                       else SlotHybridLayer(spec, self, attention.index(i), layer.number_of_states)
+                       for i, (spec, layer) in enumerate(zip(specs, layers))]
+        self.layer_class_to_replicate = None
+        self.attention = [self.layers[i] for i in attention]
+        windows = [spec.window if spec.kind == SLIDING else 1 << 62 for spec in specs if spec.attends]
+        self.window = torch.tensor(windows, dtype=torch.long, device=device)[:, None]
+        self.sliding = any(spec.kind == SLIDING for spec in specs)
+        self.rows = self.capacity = 0
+        self.held: dict[int, list[int]] = {}  # row in use -> prompt slots per attention layer
+        self.decoded: dict[int, int] = {}  # row in use -> tokens decoded into it
+        self.recorder = None  # called as recorder(layer_idx, query, keys, scoring) by eager decode steps
+        self.record_s = 0.0
+        self.generation = 0  # bumped by every allocation: a captured graph belongs to one
+        self.masks: tuple[torch.Tensor, ...] = ()
+        self.step_index: tuple[torch.Tensor, torch.Tensor] = ()
+
+    # ------------------------------------------------------------ joining and leaving (between steps)
+    def free_row(self) -> int | None:
+        """The lowest row no request holds, ``None`` when all ``max_rows`` are taken."""
+        return next((row for row in range(self.max_rows) if row not in self.held), None)
+
+    def join(self, row: int, compressed: Compressed, room: int, token: int) -> None:
+        """Write ``compressed`` into ``row`` with ``room`` slots to decode into; ``token`` (sampled
+        from the prompt's logits) is what the row's first step feeds."""
+        held = [layer.slots for layer in compressed.layers if isinstance(layer, LayerKV)]
+        start = max(held, default=0)
+        self._reserve(row + 1, start + room, compressed)
+        with torch.inference_mode():
+            for slot_layer, kv in zip(self.attention, (l for l in compressed.layers if isinstance(l, LayerKV))):
+                n = kv.slots
+                slot_layer.keys[row, :, start - n:start] = kv.keys[0]
+                slot_layer.values[row, :, start - n:start] = kv.values[0]
+                self.positions[slot_layer.index, row] = -1
+                self.positions[slot_layer.index, row, :, start - n:start] = kv.positions[0]
+            self.counters[:, row] = torch.tensor([start, compressed.prompt_tokens, 1, token])
+        for i, layer in enumerate(compressed.layers):  # states: this model decodes one row
+            if isinstance(layer, LayerKV) and layer.state is not None:
+                move_state(layer.state, self.layers[i])  # a hybrid layer's, beside its K/V
+            elif not isinstance(layer, LayerKV) and layer is not None:
+                self.layers[i] = layer  # a recurrent layer's
+        self.held[row], self.decoded[row] = held, 0
+
+    def leave(self, row: int) -> None:
+        """Free ``row``: metadata only (its slots are overwritten by the next request there)."""
+        self.held.pop(row, None)
+        self.decoded.pop(row, None)
+        with torch.inference_mode():
+            self.write_at[row], self.next_position[row], self.active[row] = 0, 0, 0
+        if not self.held and not self.keep:  # nothing runs: give the memory back
+            self.rows = self.capacity = 0
+            for layer in self.attention:
+                layer.keys, layer.values, layer.views = None, None, {}
+
+    def batch_rows(self) -> int:
+        """The batch bucket a step runs: the smallest that covers every row in use."""
+        return min(bucket(max(self.held) + 1), self.rows)
+
+    def _reserve(self, rows: int, slots: int, like: Compressed) -> None:
+        """Room for ``rows`` rows of ``slots`` slots: reallocated to the next buckets when short (rare:
+        at most a few times per run; each time the rows in use are copied once). The layers' head
+        counts, head sizes and dtype are those of ``like``."""
+        if rows <= self.rows and slots <= self.capacity:
+            return
+        # kept allocations (compiled steps) take every row at once: a graph is then per (batch, capacity)
+        new_rows = self.max_rows if self.keep else max(self.rows, min(bucket(rows), self.max_rows))
+        new_capacity = max(self.capacity, capacity_bucket(slots))
+        if self.rows:
+            log.info("snapkv_rag: slot cache grows to %d rows x %d slots", new_rows, new_capacity)
+        with torch.inference_mode():
+            shapes = [(kv.keys, kv.values) for kv in like.layers if isinstance(kv, LayerKV)]
+            for layer, (keys_like, values_like) in zip(self.attention, shapes):
+                keys = keys_like.new_zeros((new_rows, keys_like.shape[1], new_capacity, keys_like.shape[-1]))
+                values = values_like.new_zeros((new_rows, values_like.shape[1], new_capacity, values_like.shape[-1]))
+                if layer.keys is not None:
+                    keys[: self.rows, :, : self.capacity] = layer.keys
+                    values[: self.rows, :, : self.capacity] = layer.values
+                layer.keys, layer.values = keys, values
+                layer.views = {n: (keys[:n], values[:n]) for n in {min(bucket(r), new_rows) for r in range(1, new_rows + 1)}}
+            heads = self.attention[0].keys.shape[1]
+            positions = torch.full((len(self.attention), new_rows, heads, new_capacity), -1, dtype=torch.long,
+                                   device=self.device)
+            counters = torch.zeros((4, new_rows), dtype=torch.long, device=self.device)
+            if self.rows:
+                positions[:, : self.rows, :, : self.capacity] = self.positions
+                counters[:, : self.rows] = self.counters
+            self.positions, self.counters = positions, counters
+            # per row: where the next token is written, its position, 1 while a request holds the row,
+            # and the token the next step feeds (the last one sampled)
+            self.write_at, self.next_position, self.active, self.tokens = counters.unbind(0)
+            self.generation += 1
+            self.heads = torch.arange(heads, device=self.device)[None, :, None]
+            self.row_index = torch.arange(new_rows, device=self.device)[:, None, None]
+            self._no_mask = torch.ones((new_rows, 1, 1, 1), dtype=torch.bool, device=self.device)
+        if self.device.type == "cuda":  # written in place by every step: fixed addresses for CUDA graphs
+            for buffer in [self.positions, self.counters, *(t for layer in self.attention for t in (layer.keys, layer.values))]:
+                torch._dynamo.mark_static_address(buffer, guard=False)
+        self.rows, self.capacity = new_rows, new_capacity
+
+    # ------------------------------------------------------------ one step (device ops only)
+    def no_mask(self, b: int) -> torch.Tensor | None:
+        """The ``attention_mask`` a step hands the model: a 4-D placeholder, which transformers passes
+        through as it is (no mask is built; every layer masks itself); ``None`` for recurrent models,
+        whose linear-attention layers read the mask."""
+        return None if self.recurrent else self._no_mask[:b]
+
+    def begin_step(self, b: int) -> torch.Tensor:
+        """Prepare rows ``[0, b)`` for a step: each row's slot to write holds its next position, and
+        every layer's mask ``[b, H_kv, 1, capacity]`` says what it may attend to. Returns the
+        positions ``[b]`` of the tokens fed."""
+        rows, write, position = self.row_index[:b], self.write_at[:b, None, None], self.next_position[:b]
+        self.step_index = (rows, self.heads, write)  # [b, H_kv, 1]: the slot of each row and head
+        self.positions[:, rows, self.heads, write] = position[:, None, None]
+        held = self.positions[:, :b]
+        if self.sliding:  # a slot is seen while its position is inside the layer's window
+            lower = (position[None, :] - self.window).clamp(min=-1)
+            self.masks = (held > lower[:, :, None, None]).unsqueeze(3).unbind(0)
+        else:
+            self.masks = (held >= 0).unsqueeze(3).unbind(0)
+        return position
+
+    def end_step(self, b: int) -> None:
+        """After a step over rows ``[0, b)``: the rows in use move on by one slot and one position."""
+        self.write_at[:b] += self.active[:b]
+        self.next_position[:b] += self.active[:b]
