@@ -163,12 +163,18 @@ def _nucleus(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _gumbel(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel noise ``[B, vocab]`` (float32), a pure function of each row's (seed, step) and the token
-    index: integer hashing on the device, 24 bits per token turned into a uniform in (0, 1)."""
+    index: integer hashing on the device, 23 bits per token turned into a uniform in (0, 1). (23, not 24:
+    ``2**24 - 0.5`` rounds to ``2**24`` in float32, which made a uniform of exactly 1, infinite noise,
+    and a NaN where it met a masked token's -inf, so a grammar-masked token could win.)"""
     key = _mix(_mix(_mix(seed >> 32) ^ (seed & _MASK32)) ^ (step & _MASK32))
     index = torch.arange(vocab, device=seed.device, dtype=torch.int64)
     bits = _mix(_mix((key[:, None] + index[None, :] * _WEYL) & _MASK32) ^ key[:, None])
-    uniform = ((bits >> 8).float() + 0.5) * 2.0**-24
-    return -torch.log(-torch.log(uniform))
+    return -torch.log(-torch.log(_uniform(bits)))
+
+
+def _uniform(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes as float32 uniforms strictly inside (0, 1) (their top 23 bits, centred)."""
+    return ((bits >> 9).float() + 0.5) * 2.0**-23
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

@@ -322,7 +322,12 @@ class Scheduler:
         for row, job in list(self.running.items()):
             job.step_ms.append(ms)
             slots.decoded[row] += 1
-            if not self._advance(job, tokens[row]):
+            try:
+                going = self._advance(job, tokens[row])
+            except Exception as error:  # noqa: BLE001 - this row's caller gets it; the worker goes on
+                job.ticket.put(_ERROR, error)
+                going = False
+            if not going:
                 self._leave(row)
 
     def _pick(self, logits: torch.Tensor, jobs: list[Job | None], sampling: SamplingSlots, rows: int) -> torch.Tensor:

@@ -158,3 +158,13 @@ def test_bad_settings_get_clear_errors():
         logprobs(torch.zeros(2, 10), torch.zeros(2, dtype=torch.long), 11)
     with pytest.raises(ValueError, match="top_p"):
         SamplingOptions(top_p=0)
+
+
+def test_noise_is_finite_at_the_extremes_of_the_hash():
+    """A uniform of exactly 0 or 1 makes infinite Gumbel noise, and inf + a masked token's -inf is NaN,
+    which argmax picks: a grammar-masked token then wins (seen with a 2-token mask at top_p 0.95)."""
+    from snapkv_rag.sampling import _uniform
+
+    extremes = _uniform(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64))
+    assert bool(((extremes > 0) & (extremes < 1)).all())
+    assert bool(torch.isfinite(-torch.log(-torch.log(extremes))).all())
