@@ -53,12 +53,6 @@ class SamplingOptions:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos: expected True or False, got {self.ignore_eos!r}")
 
-    def generator(self) -> torch.Generator | None:
-        """The random generator of a sampled request (its ``seed``, or the clock), ``None`` if greedy."""
-        if self.temperature == 0:
-            return None
-        return torch.Generator().manual_seed(self.seed if self.seed is not None else time.time_ns() % 2**62)
-
 
 class SamplingSlots:
     """The sampling settings of ``max_rows`` batch rows as device tensors updated in place:
