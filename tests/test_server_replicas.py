@@ -56,12 +56,20 @@ def running() -> int:
 
 
 def test_concurrent_requests_reach_both_replicas_with_one_engines_answers(cluster, tiny_engine):
-    with ThreadPoolExecutor(8) as pool:
-        replies = list(pool.map(lambda q: ask(cluster, q), QUESTIONS))
-    assert [r.status_code for r in replies] == [200] * 8
-    assert {r.headers["x-snapkv-replica"] for r in replies} == replica_names() and len(replica_names()) == 2
-    assert [r.json()["choices"][0]["message"]["content"] for r in replies] == \
-        [tiny_engine.chat([{"role": "user", "content": q}], max_new_tokens=6).text for q in QUESTIONS]
+    """Ray's router picks the less busy of two replicas by the queue lengths it last saw: on a slow
+    machine one wave of 8 can all land on one replica, so waves go on (at most 4) until both have
+    answered; every answer of every wave is checked."""
+    expected = [tiny_engine.chat([{"role": "user", "content": q}], max_new_tokens=6).text for q in QUESTIONS]
+    seen: set[str] = set()
+    for _ in range(4):
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(lambda q: ask(cluster, q), QUESTIONS))
+        assert [r.status_code for r in replies] == [200] * 8
+        assert [r.json()["choices"][0]["message"]["content"] for r in replies] == expected
+        seen |= {r.headers["x-snapkv-replica"] for r in replies}
+        if len(seen) == 2:
+            break
+    assert seen == replica_names() and len(replica_names()) == 2
 
 
 def test_key_limits_and_errors_hold_behind_the_proxy(cluster):
