@@ -236,13 +236,11 @@ class Scheduler:
                 return _STOP
             while self._waiting and self._waiting[0].ticket.cancelled.is_set():
                 self._waiting.popleft()
-            recurrent = any(spec.state for spec in self.runner.specs)  # recurrent or hybrid: one row (slots.py)
-            limit = 1 if recurrent else self.max_batch
             head = self._waiting[0] if self._waiting else None
             if head is not None and head.group is not None and not head.group.together and any(
                     job.group is head.group for job in self.running.values()):
                 return None  # the previous method of its group is still decoding
-            if head is not None and len(self.running) < limit and self._fits(head):
+            if head is not None and len(self.running) < self.max_batch and self._fits(head):
                 return self._waiting.popleft()
         return None
 

@@ -68,10 +68,21 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                        num_dense_layers=1, **MOE)),
 }
 
+# more hybrids, used by tests/test_state_slots.py (per-row recurrent state): Bamba-9B's Mamba-2 layers with
+# attention at some indices, Granite 4's (GraniteMoeHybrid) mamba / attention layer types with MoE
+HYBRIDS: dict[str, tuple[str, dict]] = {
+    "bamba": ("BambaConfig", dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32,
+                                  mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                                        mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
+                                                        mamba_d_state=16, mamba_chunk_size=16, num_local_experts=4,
+                                                        num_experts_per_tok=2, shared_intermediate_size=64)),
+}
+
 
 def tiny_model(name: str, vocab_size: int, dtype: torch.dtype = torch.float32, seed: int = 0):
     """A random-weight causal LM of family ``name`` (see :data:`FAMILIES`)."""
-    class_name, settings = FAMILIES[name]
+    class_name, settings = FAMILIES[name] if name in FAMILIES else HYBRIDS[name]
     config_class = getattr(transformers, class_name)
     settings = {**COMMON, **settings, "vocab_size": vocab_size}
     if class_name == "GPTNeoXConfig":  # its own names for the same things
