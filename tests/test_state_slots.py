@@ -99,3 +99,16 @@ def test_each_rows_conv_and_ssm_states_are_those_it_has_alone(llm):
         assert alone.keys() == together[row].keys()
         for key, state in alone.items():
             torch.testing.assert_close(together[row][key], state, rtol=1e-4, atol=1e-5, msg=f"row {row} {key}")
+
+
+def test_compile_on_a_state_model_decodes_eagerly_with_one_log_line(tokenizer, caplog):
+    model = _models.get("lfm2") or tiny_model("lfm2", len(tokenizer))
+    eager = SnapKVLLM(model=model, tokenizer=tokenizer, max_new_tokens=6)
+    expected = [eager.generate(q, filler_documents(2), snapkv=BUDGET).raw_text for q in QUESTIONS[:2]]
+    eager.close()
+    compiled = SnapKVLLM(model=model, tokenizer=tokenizer, max_new_tokens=6, compile=True)
+    with caplog.at_level("INFO", logger="snapkv_rag"):
+        got = [compiled.generate(q, filler_documents(2), snapkv=BUDGET).raw_text for q in QUESTIONS[:2]]
+    compiled.close()
+    assert got == expected
+    assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1
