@@ -77,6 +77,10 @@ HYBRIDS: dict[str, tuple[str, dict]] = {
                                                         mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
                                                         mamba_d_state=16, mamba_chunk_size=16, num_local_experts=4,
                                                         num_experts_per_tok=2, shared_intermediate_size=64)),
+    # Jamba's Mamba (v1) layers with attention every attn_layer_period layers and MoE every other layer
+    "jamba": ("JambaConfig", dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+                                  expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+                                  use_mamba_kernels=False)),
 }
 
 
