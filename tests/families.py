@@ -81,6 +81,12 @@ HYBRIDS: dict[str, tuple[str, dict]] = {
     "jamba": ("JambaConfig", dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
                                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
                                   use_mamba_kernels=False)),
+    # Kimi-Linear: gated delta net (KDA) linear attention layers + multi-head latent attention layers
+    "kimi-linear": ("KimiLinearConfig", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                             linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
+                                             kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                             v_head_dim=16, num_key_value_heads=4, moe_intermediate_size=32,
+                                             num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1)),
 }
 
 

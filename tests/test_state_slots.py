@@ -1,7 +1,7 @@
 """Per-row recurrent / conv state slots: rows of hybrid models decode together, each row's state its own.
 
 Requests of unequal prompt lengths and answer lengths join and leave a running batch of a hybrid model
-(Mamba-2: Bamba, Granite 4; Mamba: Jamba; gated delta net linear attention: Qwen3-Next; short convolutions: LFM2;
+(Mamba-2: Bamba, Granite 4; Mamba: Jamba; gated delta net linear attention: Qwen3-Next, Kimi-Linear; short convolutions: LFM2;
 attention + Mamba in one layer: Falcon-H1, Zamba2); every request's tokens are those it gets alone.
 """
 
@@ -16,7 +16,7 @@ from families import tiny_model
 from snapkv_rag import SnapKVConfig, SnapKVLLM
 from snapkv_testing import filler_documents
 
-HYBRID = ["bamba", "granitemoehybrid", "jamba", "qwen3-next", "lfm2", "falcon-h1", "zamba2"]
+HYBRID = ["bamba", "granitemoehybrid", "jamba", "kimi-linear", "qwen3-next", "lfm2", "falcon-h1", "zamba2"]
 BUDGET = SnapKVConfig(max_capacity_prompt=48, window_size=8)
 QUESTIONS = ["Which harbour lies north?", "Name the orchard.", "What lies north?", "Which castle?", "Who rules?"]
 DOCS = [6, 1, 4, 2, 3]  # documents per request: five prompt lengths
