@@ -1,8 +1,9 @@
 """Per-row recurrent / conv state slots: rows of hybrid models decode together, each row's state its own.
 
 Requests of unequal prompt lengths and answer lengths join and leave a running batch of a hybrid model
-(Mamba-2: Bamba, Granite 4; Mamba: Jamba; gated delta net linear attention: Qwen3-Next, Kimi-Linear; short convolutions: LFM2;
-attention + Mamba in one layer: Falcon-H1, Zamba2); every request's tokens are those it gets alone.
+(Mamba-2: Bamba, Granite 4; Mamba: Jamba; gated delta net linear attention: Qwen3-Next, Kimi-Linear;
+short convolutions: LFM2; attention + Mamba in one layer: Falcon-H1, Zamba2); every request's tokens
+are those it gets alone, and each row's conv / SSM states after mixed steps are those it has alone.
 """
 
 from __future__ import annotations
@@ -112,3 +113,13 @@ def test_compile_on_a_state_model_decodes_eagerly_with_one_log_line(tokenizer, c
     compiled.close()
     assert got == expected
     assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_compare_together_decodes_hybrid_rows_as_one_batch(llm):
+    methods = {"full": None, "snapkv": BUDGET}
+    docs = filler_documents(3)
+    both = llm.compare(QUESTIONS[0], docs, methods=methods, together=True, max_new_tokens=8, ignore_eos=True)
+    for name, config in methods.items():
+        alone = llm.generate(QUESTIONS[0], docs, snapkv=config, max_new_tokens=8, ignore_eos=True)
+        assert both.results[name].raw_text == alone.raw_text, name
+        assert both.results[name].timings.batch_size == 2, name
