@@ -185,7 +185,7 @@ def run_system(system: str, args, requests, model_dir: Path, scratch: Path, dead
                   f"p50/p95 latency {load_report.fmt(stats.latency_p50_s)}/{load_report.fmt(stats.latency_p95_s)} s, "
                   f"TTFT {load_report.fmt(stats.ttft_p50_s)}/{load_report.fmt(stats.ttft_p95_s)} s, "
                   f"failed {stats.failed}, peak RSS {stats.peak_rss_mib:.0f} MiB", flush=True)
-        entry["server_log_tail"] = server.log_tail(1500)
+        entry["server_log_tail"] = server.log_tail(1500).replace(str(scratch), "<scratch>")  # no machine paths
     entry["exit_code"] = server.process.returncode
     return entry
 
