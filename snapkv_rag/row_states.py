@@ -106,6 +106,13 @@ class RowStates:
                 if t is not None)
 
 
+def state_bytes(states: dict[int, LinearAttentionLayer]) -> int:
+    """The bytes one request's conv / SSM ``states`` (layer -> its batch-1 state) take: one row of the
+    buffers, whatever the prompt's length."""
+    return sum(t.numel() * t.element_size() for state in states.values() for name in _FIELDS
+               for t in getattr(state, name).values() if t is not None)
+
+
 def _flags(target: LinearAttentionLayer, source: LinearAttentionLayer) -> None:
     """The joining state's flags (initialised, has a previous state, kernel size, dtype and device):
     the model's decode path reads them to take its one-token branch."""

@@ -34,7 +34,8 @@ from .cache import Compressed
 from .results import CompressionStats, compression_stats
 from .runner import Prefilled, Runner, StepClock
 from .sampling import GREEDY, SamplingOptions, SamplingSlots, sample
-from .slots import SlotCache
+from .row_states import state_bytes
+from .slots import SlotCache, request_states
 from .text import Request, RowText, TextState
 from .tickets import _DONE, _ERROR, _PIECE, Ticket  # noqa: F401 (Ticket: re-exported)
 
@@ -117,6 +118,7 @@ class Scheduler:
         self.sampling: SamplingSlots | None = None
         self._first = SamplingSlots(1, runner.device)  # picks a joining request's first token
         self._bytes_per_slot: float | None = None
+        self._state_bytes = 0  # a request's conv / SSM states (models with recurrent layers)
         self._totals = {"finished": 0, "generated_tokens": 0, "prompt_tokens": 0, "kept_prompt_tokens": 0}
 
     # ------------------------------------------------------------ callers' side
@@ -201,7 +203,8 @@ class Scheduler:
             return True
         def slots(j): return min(len(j.request.input_ids), getattr(j.config, "max_capacity_prompt", None) or 1 << 30
                                  ) + j.sampling.max_new_tokens
-        needed = sum(slots(j) for j in [*self.running.values(), job]) * self._bytes_per_slot
+        needed = (sum(slots(j) for j in [*self.running.values(), job]) * self._bytes_per_slot
+                  + (len(self.running) + 1) * self._state_bytes)
         return needed <= self.max_kv_bytes
 
     def _prefill(self, job: Job) -> tuple[Compressed, torch.Tensor, float]:
@@ -224,6 +227,7 @@ class Scheduler:
             job.outcome = {"compression": stats, "prefill_s": prefill_s, "queued_s": begin - job.submitted,
                            "kept_positions": compressed.kept_positions() if job.group is not None else None}
             self._bytes_per_slot = stats.kv_bytes_kept / max(max(stats.kept_tokens), 1)
+            self._state_bytes = state_bytes(request_states(compressed, self.runner.specs))
             job.text = TextState(self.tokenizer, job.stop)
             job.constraint = getattr(job.request, "constraint", None)
             self._first.set_row(0, job.sampling)

@@ -145,7 +145,7 @@ class SlotCache(LayerTrackingCache):
                 self.positions[slot_layer.index, row] = -1
                 self.positions[slot_layer.index, row, :, start - n:start] = kv.positions[0]
             self.counters[:, row] = torch.tensor([start, compressed.prompt_tokens, 1, token])
-            states = _states(compressed, self.specs)
+            states = request_states(compressed, self.specs)
             if states:
                 self.states.reserve(self.rows, states)
                 self.states.write(row, states)
@@ -237,7 +237,7 @@ class SlotCache(LayerTrackingCache):
         self.next_position[:b] += self.active[:b]
 
 
-def _states(compressed: Compressed, specs: list[LayerSpec]) -> dict:
+def request_states(compressed: Compressed, specs: list[LayerSpec]) -> dict:
     """Layer -> the request's conv / SSM state after its prompt (a recurrent layer's own object, or
     the state a hybrid layer carries beside its kept K/V)."""
     out = {}

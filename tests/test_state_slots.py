@@ -117,3 +117,20 @@ def test_compare_together_decodes_hybrid_rows_as_one_batch(llm):
         alone = llm.generate(QUESTIONS[0], docs, snapkv=config, max_new_tokens=8, ignore_eos=True)
         assert both.results[name].raw_text == alone.raw_text, name
         assert both.results[name].timings.batch_size == 2, name
+
+
+def test_a_kv_memory_limit_counts_each_rows_conv_and_ssm_states(tokenizer):
+    model = _models.get("bamba") or tiny_model("bamba", len(tokenizer))
+    probe = SnapKVLLM(model=model, tokenizer=tokenizer, max_new_tokens=8)
+    alone = _alone(probe, [8] * len(QUESTIONS))
+    probe.close()
+    kv_row = max(r.compression.kv_bytes_kept / max(r.compression.kept_tokens) * (48 + 8) for r in alone)
+    # room for the K/V of several rows, but the Mamba states of one row (tens of KB) exceed what is left
+    llm = SnapKVLLM(model=model, tokenizer=tokenizer, max_new_tokens=8, max_kv_bytes=int(4 * kv_row))
+    try:
+        batch = llm.generate_batch(QUESTIONS, [filler_documents(d) for d in DOCS], snapkv=BUDGET, max_new_tokens=8,
+                                   ignore_eos=True)
+    finally:
+        llm.close()
+    assert [r.raw_text for r in batch] == [r.raw_text for r in alone]
+    assert [r.timings.batch_size for r in batch] == [1] * len(QUESTIONS)
