@@ -17,6 +17,8 @@ table in ``--out``.
 
     python benchmarks/load.py --out benchmarks/results/load          # the full run (see README)
     python benchmarks/load.py --quick --out load-quick           # tiny random model, seconds
+    python benchmarks/load.py --model-family bamba --systems batched --no-inprocess --levels 1 8 \
+        --long-tokens 0 --min-requests 8 --out benchmarks/results/load-hybrid   # a tiny hybrid model
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-limit-s", type=float, default=4 * 3600, help="the whole run; later levels are skipped")
     parser.add_argument("--start-timeout-s", type=float, default=600, help="each server's start (model load)")
     parser.add_argument("--quick", action="store_true", help="a tiny random model and tiny counts (a smoke test)")
+    parser.add_argument("--model-family", default=None, help="serve a tiny random-weight model of this family of "
+                        "tests/families.py (e.g. bamba, qwen3-next, lfm2: hybrids) instead of --model")
     args = parser.parse_args(argv)
     if args.quick:
         args.ideal_max_batch = 3
@@ -77,8 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def tiny_model_dir(scratch: Path) -> Path:
-    """A tiny random-weight Llama with the embedded model's tokenizer, saved as a model folder."""
+def tiny_model_dir(scratch: Path, family: str | None = None) -> Path:
+    """A tiny random-weight Llama (or a model of ``family`` from tests/families.py) with the embedded
+    model's tokenizer, saved as a model folder."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -86,6 +91,16 @@ def tiny_model_dir(scratch: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(loading.default_model_dir())
     torch.manual_seed(0)
+    if family is not None:
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        from families import tiny_model
+
+        folder = scratch / f"tiny-{family}"
+        model = tiny_model(family, len(tokenizer))
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -170,7 +185,7 @@ def run_system(system: str, args, requests, model_dir: Path, scratch: Path, dead
                   f"p50/p95 latency {load_report.fmt(stats.latency_p50_s)}/{load_report.fmt(stats.latency_p95_s)} s, "
                   f"TTFT {load_report.fmt(stats.ttft_p50_s)}/{load_report.fmt(stats.ttft_p95_s)} s, "
                   f"failed {stats.failed}, peak RSS {stats.peak_rss_mib:.0f} MiB", flush=True)
-        entry["server_log_tail"] = server.log_tail(1500)
+        entry["server_log_tail"] = server.log_tail(1500).replace(str(scratch), "<scratch>")  # no machine paths
     entry["exit_code"] = server.process.returncode
     return entry
 
@@ -219,8 +234,9 @@ def main(argv: list[str] | None = None) -> dict:
         scratch = Path(scratch_name)
         from snapkv_rag import loading
 
-        model_dir = tiny_model_dir(scratch) if args.quick else Path(args.model or loading.default_model_dir())
-        report["model"] = "tiny random Llama" if args.quick else str(model_dir.name)
+        tiny = args.quick or args.model_family is not None
+        model_dir = tiny_model_dir(scratch, args.model_family) if tiny else Path(args.model or loading.default_model_dir())
+        report["model"] = (f"tiny random {args.model_family or 'Llama'}" if tiny else str(model_dir.name))
         report["length_forced"] = wl.engine_forces_length()
         requests = wl.nq_requests(max(max(args.levels + args.long_levels), args.min_requests, args.ratio_clients))
         lengths = wl.prompt_lengths(model_dir, requests)

@@ -47,6 +47,10 @@ def ratios(report: dict, args) -> list[dict]:
         add(f"batched / best padded-batch generate tokens/s, {key}", _ratio(tps, max(padded, default=None)), 1.0)
         add(f"p95 TTFT batched / one-at-a-time, {key}",
             _ratio(ours and ours["ttft_p95_s"], alone and alone["ttft_p95_s"]), 1.0, above=False)
+    one, many = (_level(report, "batched", f"{args.new_tokens}x{c}") for c in (1, clients))
+    if one is not None and clients != 1:  # how the batching server scales from one client
+        add(f"batched tokens/s, {args.new_tokens}x{clients} / {args.new_tokens}x1",
+            _ratio(many and many["tokens_per_s"], one["tokens_per_s"]), 2.0)
     failed = [lv.get("failed", 0) for s in ("batched", "one_at_a_time") for lv in report["systems"].get(s, {}).get(
         "levels", {}).values() if "failed" in lv]
     add("failed requests on our server (all levels)", sum(failed) if failed else None, 1, above=False)

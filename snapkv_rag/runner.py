@@ -93,6 +93,7 @@ class Runner:
         self._steps: dict[tuple, Callable[[], torch.Tensor]] = {}
         self._host: torch.Tensor | None = None
         self._pool = None
+        self._eager_logged = False
         self.attach()
 
     def attach(self) -> None:
@@ -133,6 +134,10 @@ class Runner:
         (also fed by the next step). ``pick`` (logits -> tokens) replaces the greedy argmax, for rows
         that sample or follow a grammar; the step is then compiled without it. No host sync."""
         with self.lock, torch.inference_mode():
+            if self.compile and slots.recurrent and not self._eager_logged:
+                self._eager_logged = True
+                log.info("snapkv_rag: compile is set, but this model has recurrent / conv state layers: its decode "
+                         "steps run eagerly")
             if not self.compile or slots.recorder is not None or slots.recurrent:  # eager-only cases
                 if pick is None:
                     return self._decode(slots, b, greedy=True)

@@ -21,12 +21,11 @@ import asyncio
 import atexit
 import collections
 import dataclasses
-import queue
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import torch
 
@@ -35,10 +34,11 @@ from .cache import Compressed
 from .results import CompressionStats, compression_stats
 from .runner import Prefilled, Runner, StepClock
 from .sampling import GREEDY, SamplingOptions, SamplingSlots, sample
-from .slots import SlotCache
+from .row_states import state_bytes
+from .slots import SlotCache, request_states
 from .text import Request, RowText, TextState
+from .tickets import _DONE, _ERROR, _PIECE, Ticket  # noqa: F401 (Ticket: re-exported)
 
-_PIECE, _DONE, _ERROR = "piece", "done", "error"
 
 
 @dataclass
@@ -64,53 +64,6 @@ class SchedulerStats:
     generated_tokens: int
     prompt_tokens: int
     kept_prompt_tokens: int
-
-
-class Ticket:
-    """The caller's side of one submitted request: its text pieces, then its :class:`Outcome`.
-    ``cancel()`` (or closing the iterator) ends it; its batch slot is freed within one step."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
-        self.cancelled = threading.Event()
-        self._loop = loop
-        self._queue: Any = asyncio.Queue() if loop is not None else queue.Queue()
-
-    def put(self, kind: str, value: Any) -> None:  # worker side
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, value))
-            except RuntimeError:  # the caller's event loop is gone: nobody is listening
-                self.cancelled.set()
-        else:
-            self._queue.put((kind, value))
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    @staticmethod
-    def _unpack(event: tuple[str, Any]) -> tuple[Any, bool]:
-        kind, value = event
-        if kind == _ERROR:
-            raise value
-        return value, kind == _DONE
-
-    def __iter__(self) -> Iterator[str | Outcome]:
-        done = False
-        try:
-            while not done:
-                value, done = self._unpack(self._queue.get())
-                yield value
-        finally:
-            self.cancel()  # a no-op once done; frees the slot when the caller stopped early
-
-    async def __aiter__(self) -> AsyncIterator[str | Outcome]:
-        done = False
-        try:
-            while not done:
-                value, done = self._unpack(await self._queue.get())
-                yield value
-        finally:
-            self.cancel()
 
 
 @dataclass
@@ -165,6 +118,7 @@ class Scheduler:
         self.sampling: SamplingSlots | None = None
         self._first = SamplingSlots(1, runner.device)  # picks a joining request's first token
         self._bytes_per_slot: float | None = None
+        self._state_bytes = 0  # a request's conv / SSM states (models with recurrent layers)
         self._totals = {"finished": 0, "generated_tokens": 0, "prompt_tokens": 0, "kept_prompt_tokens": 0}
 
     # ------------------------------------------------------------ callers' side
@@ -236,13 +190,11 @@ class Scheduler:
                 return _STOP
             while self._waiting and self._waiting[0].ticket.cancelled.is_set():
                 self._waiting.popleft()
-            recurrent = any(spec.state for spec in self.runner.specs)  # recurrent or hybrid: one row (slots.py)
-            limit = 1 if recurrent else self.max_batch
             head = self._waiting[0] if self._waiting else None
             if head is not None and head.group is not None and not head.group.together and any(
                     job.group is head.group for job in self.running.values()):
                 return None  # the previous method of its group is still decoding
-            if head is not None and len(self.running) < limit and self._fits(head):
+            if head is not None and len(self.running) < self.max_batch and self._fits(head):
                 return self._waiting.popleft()
         return None
 
@@ -251,7 +203,8 @@ class Scheduler:
             return True
         def slots(j): return min(len(j.request.input_ids), getattr(j.config, "max_capacity_prompt", None) or 1 << 30
                                  ) + j.sampling.max_new_tokens
-        needed = sum(slots(j) for j in [*self.running.values(), job]) * self._bytes_per_slot
+        needed = (sum(slots(j) for j in [*self.running.values(), job]) * self._bytes_per_slot
+                  + (len(self.running) + 1) * self._state_bytes)
         return needed <= self.max_kv_bytes
 
     def _prefill(self, job: Job) -> tuple[Compressed, torch.Tensor, float]:
@@ -274,6 +227,7 @@ class Scheduler:
             job.outcome = {"compression": stats, "prefill_s": prefill_s, "queued_s": begin - job.submitted,
                            "kept_positions": compressed.kept_positions() if job.group is not None else None}
             self._bytes_per_slot = stats.kv_bytes_kept / max(max(stats.kept_tokens), 1)
+            self._state_bytes = state_bytes(request_states(compressed, self.runner.specs))
             job.text = TextState(self.tokenizer, job.stop)
             job.constraint = getattr(job.request, "constraint", None)
             self._first.set_row(0, job.sampling)

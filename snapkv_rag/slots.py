@@ -14,11 +14,13 @@ sliding layer also drops what left its window), without a host sync; :meth:`Slot
 advances the rows in use. A row of the bucket holding no request writes at its slot 0 and attends
 to it: its numbers stay finite and its token is ignored.
 
-Recurrent layers (Mamba / linear attention / conv state) are transformers' own objects, one
-request at a time; a hybrid layer (attention + Mamba state in one layer) has its attention part in
-slots like any attention layer and carries its state beside it, likewise one request at a time: a
-model with either decodes with one row (see the README for the per-row state design). Layers with
-no cache (MLP / MoE only) are transformers' own placeholders.
+Recurrent layers (Mamba / linear attention / conv state) keep their states per row, in
+:class:`~snapkv_rag.row_states.RowStates` buffers: a joining request's states are written into its
+row, a leaving row is freed by metadata, and a step over rows ``[0, b)`` hands the model views of
+those rows. A hybrid layer (attention + Mamba state in one layer) has its attention part in slots
+like any attention layer and its state in the same per-row buffers. Rows of hybrid models therefore
+decode together like any others. Layers with no cache (MLP / MoE only) are transformers' own
+placeholders.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import logging
 import torch
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from .cache import SLIDING, Compressed, LayerKV, LayerSpec, LayerTrackingCache, move_state
+from .cache import SLIDING, Compressed, LayerKV, LayerSpec, LayerTrackingCache
+from .row_states import RowStates, StateLayer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
 MIN_CAPACITY = 256
@@ -82,9 +85,9 @@ class SlotLayer(DynamicLayer):
 
 
 class SlotHybridLayer(LinearAttentionLayer, SlotLayer):
-    """A hybrid layer's slots: the attention part as a :class:`SlotLayer`, the conv / SSM states (the
-    joining request's, handed over by :meth:`SlotCache.join`) updated in place by transformers' own
-    ``LinearAttentionLayer`` code (as in :class:`~snapkv_rag.cache.PromptHybridLayer`)."""
+    """A hybrid layer's slots: the attention part as a :class:`SlotLayer`, the conv / SSM states views
+    of the batch's rows of :class:`~snapkv_rag.row_states.RowStates` buffers, updated in place by
+    transformers' own ``LinearAttentionLayer`` code (as in :class:`~snapkv_rag.cache.PromptHybridLayer`)."""
 
     def __init__(self, spec: LayerSpec, cache: SlotCache, index: int, number_of_states: int):
         SlotLayer.__init__(self, spec, cache, index)
@@ -92,7 +95,7 @@ class SlotHybridLayer(LinearAttentionLayer, SlotLayer):
 
 
 class SlotCache(LayerTrackingCache):
-    """The running batch's cache: at most ``max_rows`` requests (one for models with recurrent layers).
+    """The running batch's cache: at most ``max_rows`` requests.
     When the last row leaves, the buffers are given back, unless ``keep`` (compiled steps: their
     graphs belong to one allocation, so it stays for the next requests)."""
 
@@ -100,13 +103,15 @@ class SlotCache(LayerTrackingCache):
                  keep: bool = False):
         super().__init__(config=model_config)
         layers = list(self.layers) + [None] * (len(specs) - len(self.layers))
-        self.recurrent = any(spec.state for spec in specs)  # recurrent or hybrid layers: one row
-        self.max_rows = 1 if self.recurrent else max_rows
+        self.recurrent = any(spec.state for spec in specs)  # recurrent or hybrid layers: per-row states
+        self.max_rows = max_rows
         self.specs, self.device, self.keep = specs, device, keep
         attention = [i for i, spec in enumerate(specs) if spec.attends]
-        self.layers = [layer if not spec.attends else SlotLayer(spec, self, attention.index(i)) if not spec.state
+        self.layers = [(StateLayer(number_of_states=layer.number_of_states) if spec.state else layer)
+                       if not spec.attends else SlotLayer(spec, self, attention.index(i)) if not spec.state
                        else SlotHybridLayer(spec, self, attention.index(i), layer.number_of_states)
                        for i, (spec, layer) in enumerate(zip(specs, layers))]
+        self.states = RowStates({i: self.layers[i] for i, spec in enumerate(specs) if spec.state})
         self.layer_class_to_replicate = None
         self.attention = [self.layers[i] for i in attention]
         windows = [spec.window if spec.kind == SLIDING else 1 << 62 for spec in specs if spec.attends]
@@ -140,11 +145,10 @@ class SlotCache(LayerTrackingCache):
                 self.positions[slot_layer.index, row] = -1
                 self.positions[slot_layer.index, row, :, start - n:start] = kv.positions[0]
             self.counters[:, row] = torch.tensor([start, compressed.prompt_tokens, 1, token])
-        for i, layer in enumerate(compressed.layers):  # states: this model decodes one row
-            if isinstance(layer, LayerKV) and layer.state is not None:
-                move_state(layer.state, self.layers[i])  # a hybrid layer's, beside its K/V
-            elif not isinstance(layer, LayerKV) and layer is not None:
-                self.layers[i] = layer  # a recurrent layer's
+            states = request_states(compressed, self.specs)
+            if states:
+                self.states.reserve(self.rows, states)
+                self.states.write(row, states)
         self.held[row], self.decoded[row] = held, 0
 
     def leave(self, row: int) -> None:
@@ -157,6 +161,7 @@ class SlotCache(LayerTrackingCache):
             self.rows = self.capacity = 0
             for layer in self.attention:
                 layer.keys, layer.values, layer.views = None, None, {}
+            self.states.release()
 
     def batch_rows(self) -> int:
         """The batch bucket a step runs: the smallest that covers every row in use."""
@@ -215,6 +220,7 @@ class SlotCache(LayerTrackingCache):
         every layer's mask ``[b, H_kv, 1, capacity]`` says what it may attend to. Returns the
         positions ``[b]`` of the tokens fed."""
         rows, write, position = self.row_index[:b], self.write_at[:b, None, None], self.next_position[:b]
+        self.states.bind(b)
         self.step_index = (rows, self.heads, write)  # [b, H_kv, 1]: the slot of each row and head
         self.positions[:, rows, self.heads, write] = position[:, None, None]
         held = self.positions[:, :b]
@@ -229,3 +235,16 @@ class SlotCache(LayerTrackingCache):
         """After a step over rows ``[0, b)``: the rows in use move on by one slot and one position."""
         self.write_at[:b] += self.active[:b]
         self.next_position[:b] += self.active[:b]
+
+
+def request_states(compressed: Compressed, specs: list[LayerSpec]) -> dict:
+    """Layer -> the request's conv / SSM state after its prompt (a recurrent layer's own object, or
+    the state a hybrid layer carries beside its kept K/V)."""
+    out = {}
+    for i, (spec, layer) in enumerate(zip(specs, compressed.layers)):
+        if spec.state:
+            state = layer.state if isinstance(layer, LayerKV) else layer
+            if state is None:
+                raise ValueError(f"slot cache: layer {i} holds a recurrent state but the joining request has none")
+            out[i] = state
+    return out

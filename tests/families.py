@@ -68,10 +68,31 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                        num_dense_layers=1, **MOE)),
 }
 
+# more hybrids, used by tests/test_state_slots.py (per-row recurrent state): Bamba-9B's Mamba-2 layers with
+# attention at some indices, Granite 4's (GraniteMoeHybrid) mamba / attention layer types with MoE
+HYBRIDS: dict[str, tuple[str, dict]] = {
+    "bamba": ("BambaConfig", dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32,
+                                  mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                                        mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
+                                                        mamba_d_state=16, mamba_chunk_size=16, num_local_experts=4,
+                                                        num_experts_per_tok=2, shared_intermediate_size=64)),
+    # Jamba's Mamba (v1) layers with attention every attn_layer_period layers and MoE every other layer
+    "jamba": ("JambaConfig", dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+                                  expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+                                  use_mamba_kernels=False)),
+    # Kimi-Linear: gated delta net (KDA) linear attention layers + multi-head latent attention layers
+    "kimi-linear": ("KimiLinearConfig", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                             linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
+                                             kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                             v_head_dim=16, num_key_value_heads=4, moe_intermediate_size=32,
+                                             num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1)),
+}
+
 
 def tiny_model(name: str, vocab_size: int, dtype: torch.dtype = torch.float32, seed: int = 0):
     """A random-weight causal LM of family ``name`` (see :data:`FAMILIES`)."""
-    class_name, settings = FAMILIES[name]
+    class_name, settings = FAMILIES[name] if name in FAMILIES else HYBRIDS[name]
     config_class = getattr(transformers, class_name)
     settings = {**COMMON, **settings, "vocab_size": vocab_size}
     if class_name == "GPTNeoXConfig":  # its own names for the same things

@@ -216,9 +216,12 @@ def test_concurrent_batch_equals_single_calls(family, method):
     config = method(max_capacity_prompt=64, window_size=8)
     questions = ["Which harbour lies north?", "Name the orchard.", "What lies north?", "Which castle?"]
     docs = [filler_documents(6), filler_documents(1), filler_documents(4), filler_documents(2)]
-    batch = llm.generate_batch(questions, docs, snapkv=config, max_new_tokens=NEW)
-    single = [llm.generate(q, d, snapkv=config, max_new_tokens=NEW) for q, d in zip(questions, docs)]
+    # (ignore_eos: every row runs NEW steps, so all four decode together, hybrid families included)
+    batch = llm.generate_batch(questions, docs, snapkv=config, max_new_tokens=NEW, ignore_eos=True)
+    single = [llm.generate(q, d, snapkv=config, max_new_tokens=NEW, ignore_eos=True) for q, d in zip(questions, docs)]
     assert len({r.usage.prompt_tokens for r in single}) == 4
+    assert [r.timings.batch_size for r in batch] == [4, 4, 4, 4]
+    assert [r.raw_text for r in batch] == [r.raw_text for r in single]
     assert [r.text for r in batch] == [r.text for r in single]
     assert [r.compression.kept_tokens for r in batch] == [r.compression.kept_tokens for r in single]
 
