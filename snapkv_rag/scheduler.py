@@ -21,16 +21,15 @@ import asyncio
 import atexit
 import collections
 import dataclasses
-import queue
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import torch
 
-from . import structured
+from . import prefix_cache, structured
 from .cache import Compressed
 from .results import CompressionStats, compression_stats
 from .runner import Prefilled, Runner, StepClock
@@ -38,7 +37,7 @@ from .sampling import GREEDY, SamplingOptions, SamplingSlots, sample
 from .slots import SlotCache
 from .text import Request, RowText, TextState
 
-_PIECE, _DONE, _ERROR = "piece", "done", "error"
+from .tickets import _DONE, _ERROR, _PIECE, Ticket  # noqa: F401 (Ticket: where callers found it)
 
 
 @dataclass
@@ -51,6 +50,7 @@ class Outcome:
     queued_s: float
     batch_size: int
     kept_positions: dict | None = None  # per layer, the prompt positions kept (requests of a group)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 @dataclass
@@ -64,53 +64,6 @@ class SchedulerStats:
     generated_tokens: int
     prompt_tokens: int
     kept_prompt_tokens: int
-
-
-class Ticket:
-    """The caller's side of one submitted request: its text pieces, then its :class:`Outcome`.
-    ``cancel()`` (or closing the iterator) ends it; its batch slot is freed within one step."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
-        self.cancelled = threading.Event()
-        self._loop = loop
-        self._queue: Any = asyncio.Queue() if loop is not None else queue.Queue()
-
-    def put(self, kind: str, value: Any) -> None:  # worker side
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, value))
-            except RuntimeError:  # the caller's event loop is gone: nobody is listening
-                self.cancelled.set()
-        else:
-            self._queue.put((kind, value))
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    @staticmethod
-    def _unpack(event: tuple[str, Any]) -> tuple[Any, bool]:
-        kind, value = event
-        if kind == _ERROR:
-            raise value
-        return value, kind == _DONE
-
-    def __iter__(self) -> Iterator[str | Outcome]:
-        done = False
-        try:
-            while not done:
-                value, done = self._unpack(self._queue.get())
-                yield value
-        finally:
-            self.cancel()  # a no-op once done; frees the slot when the caller stopped early
-
-    async def __aiter__(self) -> AsyncIterator[str | Outcome]:
-        done = False
-        try:
-            while not done:
-                value, done = self._unpack(await self._queue.get())
-                yield value
-        finally:
-            self.cancel()
 
 
 @dataclass
@@ -257,11 +210,13 @@ class Scheduler:
     def _prefill(self, job: Job) -> tuple[Compressed, torch.Tensor, float]:
         """The request's compressed cache, its prompt's next-token logits ``[1, V]`` and the prefill time."""
         if job.group is None:
-            pre = self.runner.prefill([job.request.input_ids], {"": job.config})
+            ids = job.request.input_ids
+            pre = self.runner.prefill([ids], {"": job.config}, prefix_cache.boundary(ids, job.request.spans))
         else:
             if job.group.prefilled is None:
                 job.group.prefilled = self.runner.prefill([job.group.ids], job.group.methods)
             pre = job.group.prefilled
+        job.outcome["cached_tokens"] = pre.cached_tokens
         return pre.compressed[job.name][0], pre.logits, pre.prefill_s
 
     def _start(self, job: Job) -> None:
@@ -271,8 +226,8 @@ class Scheduler:
         try:
             compressed, logits, prefill_s = self._prefill(job)
             stats = compression_stats(compressed, 1000 * compressed.selection_s)
-            job.outcome = {"compression": stats, "prefill_s": prefill_s, "queued_s": begin - job.submitted,
-                           "kept_positions": compressed.kept_positions() if job.group is not None else None}
+            job.outcome.update(compression=stats, prefill_s=prefill_s, queued_s=begin - job.submitted,
+                               kept_positions=compressed.kept_positions() if job.group is not None else None)
             self._bytes_per_slot = stats.kv_bytes_kept / max(max(stats.kept_tokens), 1)
             job.text = TextState(self.tokenizer, job.stop)
             job.constraint = getattr(job.request, "constraint", None)
