@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
               f"without, {ttft_cached:.3f} s with ({r['ratio']:.2f}x); same answer: {r['same_answer']}", flush=True)
     later = [r["ratio"] for r in rows[1:]]
     summary = {"questions": len(rows), "documents": len(documents), "prompt_tokens": rows[0]["prompt_tokens"],
-               "max_new_tokens": args.max_new_tokens, "model": cached.model_name,
+               "max_new_tokens": args.max_new_tokens, "model": Path(cached.model_name).name,
                "ratio_later_median": statistics.median(later) if later else None,
                "ratio_later_min": min(later) if later else None,
                "differing_answers": sum(not r["same_answer"] for r in rows),

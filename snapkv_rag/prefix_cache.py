@@ -201,18 +201,29 @@ class PrefixCache:
 @dataclass
 class Capture:
     """While a prompt that will be stored runs: the first ``length`` positions of every attention
-    layer (cloned), filled in by the compressor's hook."""
+    layer (cloned), filled in by the compressor's hook. Past ``max_bytes`` it lets go of what it
+    took and takes nothing more (``too_big``): a prompt longer than the cache can hold never keeps
+    every layer's full K/V alive at once, which the layer-by-layer compression avoids."""
 
     length: int
+    max_bytes: int
     layers: list[PrefixLayer | None] = field(default_factory=list)
+    nbytes: int = 0
+    too_big: bool = False
 
     def __call__(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        while len(self.layers) <= layer_idx:
-            self.layers.append(None)
+        if self.too_big:
+            return
         p = self.length
         tail = min(QUERY_TAIL, p)
-        self.layers[layer_idx] = PrefixLayer(keys[:, :, :p].clone(), values[:, :, :p].clone(),
-                                             query[:, :, p - tail:p].clone())
+        parts = (keys[:, :, :p], values[:, :, :p], query[:, :, p - tail:p])
+        self.nbytes += sum(t.numel() * t.element_size() for t in parts)
+        if self.nbytes > self.max_bytes:
+            self.too_big, self.layers = True, []
+            return
+        while len(self.layers) <= layer_idx:
+            self.layers.append(None)
+        self.layers[layer_idx] = PrefixLayer(*(t.clone() for t in parts))
 
     def prefix(self, ids: Sequence[int], num_layers: int) -> Prefix:
         layers = self.layers + [None] * (num_layers - len(self.layers))

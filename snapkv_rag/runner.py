@@ -129,7 +129,7 @@ class Runner:
         lengths = [length + skip for length in batch.lengths]
         with self.lock, torch.inference_mode(), sliced, compressing(cache, methods, lengths) as compressed:
             logits = self._forward(batch.ids, batch.mask if batch.padded else None, positions, cache)
-        if capture is not None:
+        if capture is not None and not capture.too_big:
             self.prefix_cache.store(capture.prefix(prompts[0], len(self.specs)))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # prefill time is wall time of the work, not its launch
@@ -149,7 +149,7 @@ class Runner:
             store.say_once(why)
             return None, None
         hit = store.lookup(prompts[0], limit=boundary, queries=needed)
-        return (hit, None) if hit is not None else (None, prefix_cache.Capture(boundary))
+        return (hit, None) if hit is not None else (None, prefix_cache.Capture(boundary, store.max_bytes))
 
     # ------------------------------------------------------------ decode
     def new_slots(self, max_rows: int) -> SlotCache:

@@ -191,3 +191,14 @@ def test_server_metrics_and_usage(cached):
 def _prefix(ids: list[int]) -> Prefix:
     layer = PrefixLayer(torch.zeros(1, 2, len(ids), 4), torch.zeros(1, 2, len(ids), 4), torch.zeros(1, 4, 1, 4))
     return Prefix(tuple(ids), (layer, None))
+
+
+def test_a_prefix_larger_than_the_cache_is_not_kept(tiny_model, tokenizer, uncached):
+    docs = filler_documents(6)
+    small = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, max_new_tokens=12, prefix_cache_bytes=50_000)
+    for question in QUESTIONS[:2]:
+        result = small.generate(question, docs, snapkv=WINDOW_8)
+        assert result.usage.cached_tokens == 0
+        assert result.text == uncached.generate(question, docs, snapkv=WINDOW_8).text
+    stats = small.prefix_stats()
+    assert (stats.entries, stats.stored, stats.misses) == (0, 0, 2)
