@@ -15,7 +15,7 @@ from snapkv_rag import DocSnapKVConfig, H2OConfig, SnapKVConfig, SnapKVLLM, Stre
 from snapkv_rag.layer_kinds import FULL, RECURRENT, LayerSpec
 from snapkv_rag.prefix_cache import Prefix, PrefixCache, PrefixLayer, boundary, unsupported
 
-from families import tiny_model
+from families import FAMILIES, tiny_model
 from server_testing import running_server
 from snapkv_testing import filler_documents
 
@@ -202,3 +202,26 @@ def test_a_prefix_larger_than_the_cache_is_not_kept(tiny_model, tokenizer, uncac
         assert result.text == uncached.generate(question, docs, snapkv=WINDOW_8).text
     stats = small.prefix_stats()
     assert (stats.entries, stats.stored, stats.misses) == (0, 0, 2)
+
+
+NOT_CACHED = {"qwen3-next", "deepseek-v3", "nemotron-h", "falcon-h1", "zamba", "zamba2", "lfm2", "lfm2-moe"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_is_reused_exactly_or_not_at_all(family, tokenizer, caplog):
+    """Each supported family: a hit keeps the positions a whole prefill keeps (SnapKV with a window
+    inside the question and one reaching into the cached instruction, the full cache). Recurrent,
+    hybrid and latent-attention models: prefilled whole, said in the log."""
+    llm = SnapKVLLM(model=tiny_model(family, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=4)
+    docs = filler_documents(6)
+    with caplog.at_level(logging.INFO, logger="snapkv_rag"):
+        whole, split, at = _prefill_both(llm, QUESTIONS[1], docs, {"w8": WINDOW_8, "w48": WINDOW_48, "full": None})
+    if family in NOT_CACHED:
+        assert split.cached_tokens == 0 and unsupported(llm.runner.specs) is not None
+        assert any("prefix cache not used" in r.message for r in caplog.records)
+    else:
+        assert split.cached_tokens == at
+    for name, per_row in whole.compressed.items():
+        for layer, positions in per_row[0].kept_positions().items():
+            assert torch.equal(positions, split.compressed[name][0].kept_positions()[layer]), (name, layer)
+    assert torch.allclose(whole.logits, split.logits, atol=1e-4)
