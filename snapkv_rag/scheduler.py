@@ -214,7 +214,8 @@ class Scheduler:
             pre = self.runner.prefill([ids], {"": job.config}, prefix_cache.boundary(ids, job.request.spans))
         else:
             if job.group.prefilled is None:
-                job.group.prefilled = self.runner.prefill([job.group.ids], job.group.methods)
+                job.group.prefilled = self.runner.prefill([job.group.ids], job.group.methods,
+                                                          prefix_cache.boundary(job.group.ids, job.request.spans))
             pre = job.group.prefilled
         job.outcome["cached_tokens"] = pre.cached_tokens
         return pre.compressed[job.name][0], pre.logits, pre.prefill_s

@@ -225,3 +225,19 @@ def test_every_family_is_reused_exactly_or_not_at_all(family, tokenizer, caplog)
         for layer, positions in per_row[0].kept_positions().items():
             assert torch.equal(positions, split.compressed[name][0].kept_positions()[layer]), (name, layer)
     assert torch.allclose(whole.logits, split.logits, atol=1e-4)
+
+
+def test_compare_shares_the_cache(cached, uncached):
+    """``compare`` (the evals' path: one prefill, several methods) reuses a prefix too, with the
+    same results and kept positions."""
+    docs = filler_documents(6)
+    methods = {"full": None, "w8": WINDOW_8, "w48": WINDOW_48}
+    for i, question in enumerate(QUESTIONS):
+        a = uncached.compare(question, docs, methods=methods)
+        b = cached.compare(question, docs, methods=methods)
+        for name in methods:
+            ra, rb = a.results[name], b.results[name]
+            assert (rb.text, rb.compression.kept_tokens) == (ra.text, ra.compression.kept_tokens)
+            assert (rb.usage.cached_tokens > 0) == (i > 0) and ra.usage.cached_tokens == 0
+        assert a.hit_rate == b.hit_rate
+    assert cached.prefix_stats().hits == 2
