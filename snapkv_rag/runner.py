@@ -10,7 +10,9 @@
 
 :meth:`Runner.prefill` runs the prompts once inside ``with compressing(cache, methods, lengths)``:
 each attention layer is compressed right after its attention, once per method, so several methods
-share one prefill. :meth:`Runner.decode_step` runs one token for rows ``[0, b)`` of a
+share one prefill. With a ``boundary`` (a RAG prompt's tokens before its question) and a prefix
+cache, a prompt whose prefix was prefilled before runs only its rest on top of the cached K/V
+(:mod:`snapkv_rag.prefix_cache`); the compression is the same. :meth:`Runner.decode_step` runs one token for rows ``[0, b)`` of a
 :class:`~snapkv_rag.slots.SlotCache` and picks the next tokens on the device: greedy inside the
 step; rows that sample or follow a grammar are picked by the caller's ``pick`` after it.
 
