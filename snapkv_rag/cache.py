@@ -101,17 +101,26 @@ class PromptLayer(DynamicLayer):
         self.sliding_window = spec.window
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.done = False
+        self.prefix = None  # a cached prefix's layer (prefix_cache.PrefixLayer): the new tokens go on top
+
+    @property
+    def before(self) -> int:
+        """Prompt positions already held before this forward pass (a cached prefix's length)."""
+        return 0 if self.prefix is None else self.prefix.keys.shape[-2]
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.is_initialized, self.device = True, key_states.device
+        if self.prefix is not None:  # new tensors: the cached prefix is never written
+            key_states = torch.cat([self.prefix.keys, key_states], dim=-2)
+            value_states = torch.cat([self.prefix.values, value_states], dim=-2)
         self.pending = (key_states, value_states)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        return 0 if self.pending is None else self.pending[0].shape[-2]
+        return self.before if self.pending is None else self.pending[0].shape[-2]
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
-        return (query_length if isinstance(query_length, int) else query_length.shape[-1]), 0
+        return self.before + (query_length if isinstance(query_length, int) else query_length.shape[-1]), 0
 
     def get_max_length(self) -> int:
         return -1
@@ -159,7 +168,7 @@ class PromptCache(LayerTrackingCache):
     that the model's own code (mask sizes, recurrent-state accessors) finds what it calls. Layers
     without per-token K/V (recurrent, MLP-only) are transformers' own objects."""
 
-    def __init__(self, model_config, specs: list[LayerSpec]):
+    def __init__(self, model_config, specs: list[LayerSpec], prefix=None):
         super().__init__(config=model_config)
         layers = list(self.layers) + [None] * (len(specs) - len(self.layers))
         self.layers = [layer if not spec.attends else PromptHybridLayer(spec, layer.number_of_states) if spec.state
@@ -167,6 +176,11 @@ class PromptCache(LayerTrackingCache):
         self.layer_class_to_replicate = None
         self.specs = specs
         self.compress: Any = None  # set inside compressing(): called after each layer's attention
+        self.capture: Any = None  # a prefix_cache.Capture: the prompt's first positions are kept
+        if prefix is not None:  # a cached prefix (prefix_cache.Prefix): only the rest of the prompt runs
+            for layer, cached in zip(self.layers, prefix.layers):
+                if isinstance(layer, PromptLayer):
+                    layer.prefix = cached
 
 
 @dataclass
@@ -191,6 +205,10 @@ class _Compressor:
     def __call__(self, layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
         layer = self.cache.layers[layer_idx]
         keys, values = layer.pending
+        if self.cache.capture is not None:
+            self.cache.capture(layer_idx, query, keys, values)
+        if layer.prefix is not None:  # the cached prefix's last queries, then the new ones (observation window)
+            query = torch.cat([layer.prefix.queries, query], dim=-2)
         for name, method in self.methods.items():
             begin = _clock(keys)
             rows = compress_layer(method, layer.spec, layer_idx, len(self.cache.specs), query, keys, values, vote_keys,
@@ -260,7 +278,9 @@ def compress_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, que
     groups = [(slice(None), starts[0])] if uniform else [(slice(b, b + 1), starts[b]) for b in range(len(lengths))]
     out = []
     for rows, start in groups:
-        k, v, q = keys[rows, :, start:], values[rows, :, start:], query[rows, :, start:]
+        # the queries end where the keys end (after a cached prefix they may start later)
+        q_start = max(start - (length - query.shape[-2]), 0)
+        k, v, q = keys[rows, :, start:], values[rows, :, start:], query[rows, :, q_start:]
         if method is None or k.shape[-2] == 0:
             kept = torch.arange(k.shape[-2], device=k.device).expand(k.shape[0], k.shape[1], -1)
         elif latent:

@@ -124,6 +124,7 @@ def compare(scheduler: Scheduler, request: Request, methods: Mapping[str, Any], 
             timings = Timings(prefill_s=outcome.prefill_s, decode_ms_per_token=0.0, batch_size=outcome.batch_size)
             results[name] = cited.finish(finish_result(outcome.row, request.documents, prompt_tokens, outcome.compression,
                                                        timings), requests[name].constraint, request.cite)
+            results[name].usage.cached_tokens = outcome.cached_tokens
     finally:
         for ticket in tickets.values():
             ticket.cancel()

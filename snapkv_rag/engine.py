@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
 
-from . import attention, cited, compare as comparing, loading, structured
+from . import attention, cited, compare as comparing, loading, prefix_cache, structured
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
 from .prompts import DEFAULT_INSTRUCTION, DocumentLike
 from .results import GenerationResult, Timings, finish_result
@@ -68,14 +68,17 @@ class SnapKVLLM:
     long prompt in slices of that many tokens; ``compile=True`` (or a ``torch.compile`` mode name)
     decodes from fixed-size buffers through a compiled step. ``max_batch`` requests decode together
     at most (1: one at a time); ``max_kv_bytes`` bounds their caches (approximately); more requests
-    wait in arrival order.
+    wait in arrival order. ``prefix_cache_bytes`` bounds the document prefix cache (default 1 GiB,
+    0: none), shared by every caller of this engine: a prompt whose instruction + documents were
+    prefilled before prefills only its question (:mod:`snapkv_rag.prefix_cache`).
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, attn_implementation: str | None = None,
                  snapkv: Any = SnapKVConfig(), max_new_tokens: int | None = None, instruction: str = DEFAULT_INSTRUCTION,
                  trust_remote_code: bool = False, prefill_chunk: int | None = 4096, compile: bool | str = False,
-                 max_batch: int = 16, max_kv_bytes: int | None = None):
+                 max_batch: int = 16, max_kv_bytes: int | None = None,
+                 prefix_cache_bytes: int = prefix_cache.DEFAULT_BYTES):
         if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, "
                              f"got {attn_implementation!r}")
@@ -106,8 +109,9 @@ class SnapKVLLM:
         self.attn_implementation = attention.resolve_implementation(self.model, attn_implementation)
         eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
+        self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
         self.runner = Runner(self.model, eos_ids=frozenset(eos), pad_id=pad, base=self.attn_implementation,
-                             prefill_chunk=prefill_chunk, compile=compile)
+                             prefill_chunk=prefill_chunk, compile=compile, prefix_cache=self.prefix_cache)
         self.device = self.runner.device
         self.compile, self.prefill_chunk = compile, prefill_chunk
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch=max_batch, max_kv_bytes=max_kv_bytes)
@@ -121,6 +125,10 @@ class SnapKVLLM:
     def stats(self) -> SchedulerStats:
         """Requests waiting and decoding now, the batch limit, and totals so far."""
         return self.scheduler.stats()
+
+    def prefix_stats(self) -> prefix_cache.PrefixStats:
+        """The prefix cache's hits, misses, tokens saved and bytes used."""
+        return self.prefix_cache.stats()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -329,6 +337,7 @@ class SnapKVLLM:
                           queued_s=outcome.queued_s)
         result = cited.finish(finish_result(outcome.row, request.documents, len(request.input_ids), outcome.compression,
                                             timings), request.constraint, request.cite)
+        result.usage.cached_tokens = outcome.cached_tokens
         result = _with_calls(plan, result)
         if log.isEnabledFor(logging.INFO):
             c, t = result.compression, result.timings

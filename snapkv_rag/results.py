@@ -12,6 +12,8 @@ from .prompts import Document, parse_citations
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens taken from the prefix cache instead of prefilled (counted in ``prompt_tokens``)."""
 
     @property
     def total_tokens(self) -> int:

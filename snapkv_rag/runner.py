@@ -10,7 +10,9 @@
 
 :meth:`Runner.prefill` runs the prompts once inside ``with compressing(cache, methods, lengths)``:
 each attention layer is compressed right after its attention, once per method, so several methods
-share one prefill. :meth:`Runner.decode_step` runs one token for rows ``[0, b)`` of a
+share one prefill. With a ``boundary`` (a RAG prompt's tokens before its question) and a prefix
+cache, a prompt whose prefix was prefilled before runs only its rest on top of the cached K/V
+(:mod:`snapkv_rag.prefix_cache`); the compression is the same. :meth:`Runner.decode_step` runs one token for rows ``[0, b)`` of a
 :class:`~snapkv_rag.slots.SlotCache` and picks the next tokens on the device: greedy inside the
 step; rows that sample or follow a grammar are picked by the caller's ``pick`` after it.
 
@@ -32,8 +34,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import attention
+from . import attention, prefix_cache
 from .cache import Compressed, PromptCache, compressing, layer_specs
+from .prefix_cache import PrefixCache
 from .slots import SlotCache
 
 log = logging.getLogger("snapkv_rag")
@@ -73,6 +76,7 @@ class Prefilled:
     compressed: dict[str, list[Compressed]]
     logits: torch.Tensor
     prefill_s: float
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
 
 
 class Runner:
@@ -81,8 +85,10 @@ class Runner:
     long prompts, compiled decode steps."""
 
     def __init__(self, model, eos_ids: frozenset[int], pad_id: int, base: str = "sdpa",
-                 prefill_chunk: int | None = 4096, compile: bool | str = False):
+                 prefill_chunk: int | None = 4096, compile: bool | str = False,
+                 prefix_cache: PrefixCache | None = None):
         self.model, self.eos_ids, self.pad_id, self.base = model, eos_ids, pad_id, base
+        self.prefix_cache = prefix_cache
         self.prefill_chunk, self.compile = prefill_chunk, compile
         self.lock = threading.Lock()
         params = inspect.signature(model.forward).parameters
@@ -108,21 +114,45 @@ class Runner:
         self._steps.clear()
 
     # ------------------------------------------------------------ prompt
-    def prefill(self, prompts: list[list[int]], methods: Mapping[str, Any]) -> Prefilled:
+    def prefill(self, prompts: list[list[int]], methods: Mapping[str, Any], boundary: int | None = None) -> Prefilled:
         """Run ``prompts`` once (left padded) and compress them under every method of ``methods``
         (name -> config, ``None`` for the full cache). Only the kept caches differ: the prefill
-        itself sees the whole prompt."""
+        itself sees the whole prompt. ``boundary`` (one prompt): its first ``boundary`` tokens are
+        a document prefix (:mod:`snapkv_rag.prefix_cache`): taken from the prefix cache when there,
+        else kept in it after this prefill; the selection is the same either way."""
         self.attach()
-        batch = Batch.of(prompts, self.pad_id, self.device)
-        cache = PromptCache(self.model.config, self.specs)
-        positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
         start = time.perf_counter()
+        prefix, capture = self._prefix_plan(prompts, methods, boundary)
+        skip = 0 if prefix is None else prefix.length
+        batch = Batch.of([p[skip:] for p in prompts], self.pad_id, self.device)
+        cache = PromptCache(self.model.config, self.specs, prefix)
+        cache.capture = capture
+        positions = (batch.mask.cumsum(-1) - 1).clamp(min=0) + skip
         sliced = attention.sliced_mlps(self.model, self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
-        with self.lock, torch.inference_mode(), sliced, compressing(cache, methods, batch.lengths) as compressed:
+        lengths = [length + skip for length in batch.lengths]
+        with self.lock, torch.inference_mode(), sliced, compressing(cache, methods, lengths) as compressed:
             logits = self._forward(batch.ids, batch.mask if batch.padded else None, positions, cache)
+        if capture is not None and not capture.too_big:
+            self.prefix_cache.store(capture.prefix(prompts[0], len(self.specs)))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # prefill time is wall time of the work, not its launch
-        return Prefilled(compressed=compressed, logits=logits, prefill_s=time.perf_counter() - start)
+        return Prefilled(compressed=compressed, logits=logits, prefill_s=time.perf_counter() - start,
+                         cached_tokens=skip)
+
+    def _prefix_plan(self, prompts, methods, boundary):
+        """``(prefix to reuse, capture to fill)`` for a prefill: at most one of them, or neither."""
+        store = self.prefix_cache
+        if boundary is None or store is None or not store.enabled or len(prompts) != 1:
+            return None, None
+        why = prefix_cache.unsupported(self.specs)
+        needed = prefix_cache.queries_needed(methods)
+        if why is None and needed is None:
+            why = "H2O votes with every prompt query"
+        if why is not None:
+            store.say_once(why)
+            return None, None
+        hit = store.lookup(prompts[0], limit=boundary, queries=needed)
+        return (hit, None) if hit is not None else (None, prefix_cache.Capture(boundary, store.max_bytes))
 
     # ------------------------------------------------------------ decode
     def new_slots(self, max_rows: int) -> SlotCache:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import structured
+from . import prefix_cache, structured
 from .cache import Compressed
 from .results import CompressionStats, compression_stats
 from .runner import Prefilled, Runner, StepClock
@@ -51,6 +51,7 @@ class Outcome:
     queued_s: float
     batch_size: int
     kept_positions: dict | None = None  # per layer, the prompt positions kept (requests of a group)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 @dataclass
@@ -210,11 +211,14 @@ class Scheduler:
     def _prefill(self, job: Job) -> tuple[Compressed, torch.Tensor, float]:
         """The request's compressed cache, its prompt's next-token logits ``[1, V]`` and the prefill time."""
         if job.group is None:
-            pre = self.runner.prefill([job.request.input_ids], {"": job.config})
+            ids = job.request.input_ids
+            pre = self.runner.prefill([ids], {"": job.config}, prefix_cache.boundary(ids, job.request.spans))
         else:
             if job.group.prefilled is None:
-                job.group.prefilled = self.runner.prefill([job.group.ids], job.group.methods)
+                job.group.prefilled = self.runner.prefill([job.group.ids], job.group.methods,
+                                                          prefix_cache.boundary(job.group.ids, job.request.spans))
             pre = job.group.prefilled
+        job.outcome["cached_tokens"] = pre.cached_tokens
         return pre.compressed[job.name][0], pre.logits, pre.prefill_s
 
     def _start(self, job: Job) -> None:
@@ -224,8 +228,8 @@ class Scheduler:
         try:
             compressed, logits, prefill_s = self._prefill(job)
             stats = compression_stats(compressed, 1000 * compressed.selection_s)
-            job.outcome = {"compression": stats, "prefill_s": prefill_s, "queued_s": begin - job.submitted,
-                           "kept_positions": compressed.kept_positions() if job.group is not None else None}
+            job.outcome.update(compression=stats, prefill_s=prefill_s, queued_s=begin - job.submitted,
+                               kept_positions=compressed.kept_positions() if job.group is not None else None)
             self._bytes_per_slot = stats.kv_bytes_kept / max(max(stats.kept_tokens), 1)
             self._state_bytes = state_bytes(request_states(compressed, self.runner.specs))
             job.text = TextState(self.tokenizer, job.stop)

@@ -39,7 +39,9 @@ def test_chat_answer_is_the_engines_answer_with_usage_citations_and_compression(
     assert body["choices"][0]["message"] == {"role": "assistant", "content": alone.text}
     assert body["choices"][0]["finish_reason"] == alone.finish_reason
     assert body["usage"] == {"prompt_tokens": alone.usage.prompt_tokens, "completion_tokens": 10,
-                             "total_tokens": alone.usage.prompt_tokens + 10}
+                             "total_tokens": alone.usage.prompt_tokens + 10,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # (the server's request came first)
+    assert alone.usage.cached_tokens > 0  # the same documents again: their prefix came from the cache
     compression = body["snapkv"]["compression"]
     assert compression["kept_tokens"] == [96, 96] and compression["prompt_tokens"] > 96
     assert body["snapkv"]["citations"] == alone.citations

@@ -109,7 +109,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         stats = llm.stats()
         return stats.queued, stats.running
 
-    metrics = Metrics(load)
+    metrics = Metrics(load, getattr(llm, "prefix_stats", None))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -13,9 +13,19 @@ class Metrics:
     """Queue depth and running batch (read from the engine when scraped), token counters and the
     latency histograms. ``load()`` returns ``(queued, running)``."""
 
-    def __init__(self, load: Callable[[], tuple[int, int]]):
+    def __init__(self, load: Callable[[], tuple[int, int]], prefix: Callable[[], Any] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
+        if prefix is not None:  # the engine's prefix cache (a PrefixStats), read when scraped
+            for field, text in (("hits", "Prompts whose document prefix came from the prefix cache"),
+                                ("misses", "Prompts with a document prefix not in the prefix cache"),
+                                ("tokens_saved", "Prompt tokens taken from the prefix cache, not prefilled"),
+                                ("evicted", "Prefixes evicted from the prefix cache (least recently used)"),
+                                ("entries", "Prefixes held in the prefix cache"),
+                                ("bytes_used", "Bytes held by the prefix cache"),
+                                ("max_bytes", "The prefix cache's bound in bytes (0: disabled)")):
+                Gauge(f"snapkv_rag_prefix_cache_{field}", text, registry=r).set_function(
+                    lambda field=field: getattr(prefix(), field))
         Gauge("snapkv_rag_queue_depth", "Requests waiting for a batch slot", registry=r).set_function(
             lambda: load()[0])
         Gauge("snapkv_rag_running_requests", "Requests in the running decode batch", registry=r).set_function(

@@ -257,7 +257,8 @@ def parse_completion(body: dict, settings: ServerSettings) -> Call:
 # ---------------------------------------------------------------------------------- responses
 def usage(result) -> dict:
     u = result.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 def extension(result) -> dict:

@@ -1,0 +1,230 @@
+"""A document prefix cache: the full, uncompressed K/V of a prompt's instruction + documents,
+kept after its prefill so that the next question over the same documents prefills only itself.
+
+What is cached: for a RAG prompt (documents first, question last, see :mod:`snapkv_rag.prompts`)
+the tokens before ``"Question: "`` -- chat template head, system turn, documents, instruction --
+per attention layer their keys and values, and the queries of their last :data:`QUERY_TAIL`
+positions (an observation window that reaches back into the instruction votes with them). The
+boundary is where :class:`~snapkv_rag.config.PromptSpans` says the question starts; it is a
+token boundary of the prompt as encoded, and a lookup compares token ids exactly, so a prompt that
+differs anywhere before it (a document, its order, the instruction) never hits.
+
+On a hit the runner prefills only the rest (question + chat template tail) on top of the cached
+K/V, at their own positions; every layer is then compressed exactly as without the cache: the
+observation window's votes are the window's queries over all the prompt's keys. The split prefill
+computes the same sums in another order, so float rounding may differ in the last bits (measured in
+``benchmarks/prefix_cache.py``).
+
+Not cached (a full prefill, said once in the log): recurrent and hybrid layers (their state is
+not a per-token K/V), multi-head latent attention, and H2O, which votes with every prompt query.
+
+Entries are immutable: stored as clones, and a hit concatenates them with the new tokens' K/V
+into new tensors, so no request writes into them. The cache is bounded by bytes, least recently
+used first out; one lock makes it safe for every caller of one engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .config import H2OConfig, SnapKVConfig
+from .layer_kinds import FULL, NONE, SLIDING, LayerSpec
+
+log = logging.getLogger("snapkv_rag")
+
+DEFAULT_BYTES = 1 << 30
+QUERY_TAIL = 64
+"""Queries kept of a prefix's last positions: an observation window up to this many tokens
+longer than the question is served from the cache."""
+
+
+@dataclass(frozen=True)
+class PrefixLayer:
+    """One attention layer of a cached prefix: ``keys``/``values`` ``[1, H_kv, P, D]`` and the
+    queries of its last positions ``[1, H, T, D]`` (RoPE applied, as the attention saw them)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A cached prefix: its token ids and, per layer, a :class:`PrefixLayer` (``None`` for a layer
+    that holds nothing, an MLP-only one)."""
+
+    ids: tuple[int, ...]
+    layers: tuple[PrefixLayer | None, ...]
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer is not None
+                   for t in (layer.keys, layer.values, layer.queries))
+
+    @property
+    def query_tail(self) -> int:
+        return min((layer.queries.shape[-2] for layer in self.layers if layer is not None), default=0)
+
+
+@dataclass
+class PrefixStats:
+    """Counters of a :class:`PrefixCache` (a snapshot)."""
+
+    hits: int = 0
+    misses: int = 0
+    tokens_saved: int = 0
+    stored: int = 0
+    evicted: int = 0
+    entries: int = 0
+    bytes_used: int = 0
+    max_bytes: int = 0
+
+
+def boundary(input_ids: Sequence[int], spans) -> int | None:
+    """The prefix length of a prompt: the tokens before its question (``spans.question``, counted
+    from the end); ``None`` without spans (no documents, or a tokenizer without offsets)."""
+    if spans is None:
+        return None
+    at = len(input_ids) + spans.question
+    return at if 0 < at < len(input_ids) else None
+
+
+def unsupported(specs: Sequence[LayerSpec]) -> str | None:
+    """Why a model's prompts cannot be reused from a prefix (``None``: they can)."""
+    for i, spec in enumerate(specs):
+        if spec.state or spec.kind not in (FULL, SLIDING, NONE):
+            return (f"layer {i} is {spec.kind}{' with a recurrent state' if spec.state else ''}: a prefix cache "
+                    "reuses plain attention K/V only")
+    return None
+
+
+def queries_needed(methods: Mapping[str, Any]) -> int | None:
+    """How many of the prompt's last queries the selection reads under ``methods`` (``None``: all
+    of them, H2O; it is then not served from a prefix)."""
+    needed = 0
+    for method in methods.values():
+        if isinstance(method, H2OConfig):
+            return None
+        if isinstance(method, SnapKVConfig):  # PyramidKV and document-aware SnapKV included
+            needed = max(needed, method.window_size)
+    return needed
+
+
+class PrefixCache:
+    """A byte-bounded LRU of :class:`Prefix` entries, keyed by their token ids. ``max_bytes`` 0
+    stores nothing (and counts nothing)."""
+
+    def __init__(self, max_bytes: int = DEFAULT_BYTES):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes: must be a number of bytes >= 0 (0 disables), got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._entries: collections.OrderedDict[tuple[int, ...], Prefix] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._counts = PrefixStats()
+        self._said: set[str] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def lookup(self, ids: Sequence[int], limit: int | None = None, queries: int = 0) -> Prefix | None:
+        """The longest cached prefix of ``ids``, at most ``limit`` tokens long and leaving at least
+        one token to prefill, whose last queries and the rest of ``ids`` give ``queries`` queries
+        (an observation window); it is then the most recently used. Counts a hit or a miss."""
+        key = tuple(ids)
+        limit = len(key) - 1 if limit is None else min(limit, len(key) - 1)
+        with self._lock:
+            best = None
+            for ids_of, entry in self._entries.items():
+                n = len(ids_of)
+                if (n <= limit and (best is None or n > best.length) and entry.query_tail + len(key) - n >= queries
+                        and key[:n] == ids_of):
+                    best = entry
+            if best is None:
+                self._counts.misses += 1
+                return None
+            self._entries.move_to_end(best.ids)
+            self._counts.hits += 1
+            self._counts.tokens_saved += best.length
+            return best
+
+    def store(self, prefix: Prefix) -> bool:
+        """Keep ``prefix`` (its tensors must be its own: clones), evicting the least recently used
+        entries until it fits; one larger than the whole cache is not kept."""
+        size = prefix.nbytes
+        with self._lock:
+            if size > self.max_bytes:
+                return False
+            old = self._entries.pop(prefix.ids, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            while self._entries and self._bytes + size > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
+                self._counts.evicted += 1
+            self._entries[prefix.ids] = prefix
+            self._bytes += size
+            self._counts.stored += 1
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def stats(self) -> PrefixStats:
+        with self._lock:
+            c = self._counts
+            return PrefixStats(c.hits, c.misses, c.tokens_saved, c.stored, c.evicted, len(self._entries), self._bytes,
+                               self.max_bytes)
+
+    def say_once(self, reason: str) -> None:
+        """Log once per reason why a prompt was prefilled whole."""
+        with self._lock:
+            if reason in self._said:
+                return
+            self._said.add(reason)
+        log.info("snapkv_rag: prefix cache not used: %s (prefilled whole, never reused)", reason)
+
+
+@dataclass
+class Capture:
+    """While a prompt that will be stored runs: the first ``length`` positions of every attention
+    layer (cloned), filled in by the compressor's hook. Past ``max_bytes`` it lets go of what it
+    took and takes nothing more (``too_big``): a prompt longer than the cache can hold never keeps
+    every layer's full K/V alive at once, which the layer-by-layer compression avoids."""
+
+    length: int
+    max_bytes: int
+    layers: list[PrefixLayer | None] = field(default_factory=list)
+    nbytes: int = 0
+    too_big: bool = False
+
+    def __call__(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.too_big:
+            return
+        p = self.length
+        tail = min(QUERY_TAIL, p)
+        parts = (keys[:, :, :p], values[:, :, :p], query[:, :, p - tail:p])
+        self.nbytes += sum(t.numel() * t.element_size() for t in parts)
+        if self.nbytes > self.max_bytes:
+            self.too_big, self.layers = True, []
+            return
+        while len(self.layers) <= layer_idx:
+            self.layers.append(None)
+        self.layers[layer_idx] = PrefixLayer(*(t.clone() for t in parts))
+
+    def prefix(self, ids: Sequence[int], num_layers: int) -> Prefix:
+        layers = self.layers + [None] * (num_layers - len(self.layers))
+        return Prefix(tuple(ids[: self.length]), tuple(layers))
