@@ -170,6 +170,19 @@ class DocSnapKVConfig(SnapKVConfig):
 
 
 @dataclass(frozen=True)
+class KeyNormConfig(SnapKVConfig):
+    """Key-norm selection (Devoto et al. 2024): query-agnostic, the prompt's own keys decide. Keys
+    of small L2 norm draw the most attention in practice, so each head keeps the prefix positions
+    whose keys are shortest (norms in float64, pooled with ``kernel_size`` like SnapKV's votes, so
+    kept tokens come in clusters), plus the last ``window_size`` positions. No question is looked
+    at: the same documents keep the same tokens whatever is asked of them, and no attention scores
+    are computed (the cheapest method after StreamingLLM). Same fields as :class:`SnapKVConfig`.
+    """
+
+    method = "keynorm"
+
+
+@dataclass(frozen=True)
 class StreamingLLMConfig(_Budget):
     """StreamingLLM (Xiao et al. 2023): the first ``sink_tokens`` positions plus the most recent ones."""
 
@@ -224,7 +237,8 @@ class RandomConfig(_RecentWindowConfig):
 
 
 CompressionConfig = SnapKVConfig | StreamingLLMConfig | H2OConfig | RandomConfig
-"""Any of the method configs above; ``PyramidKVConfig`` and ``DocSnapKVConfig`` are ``SnapKVConfig``s."""
+"""Any of the method configs above; ``PyramidKVConfig``, ``DocSnapKVConfig`` and ``KeyNormConfig``
+are ``SnapKVConfig``s."""
 
 COMPRESSION_CONFIGS = (SnapKVConfig, StreamingLLMConfig, H2OConfig, RandomConfig)
 
@@ -232,6 +246,7 @@ __all__ = [
     "SnapKVConfig",
     "PyramidKVConfig",
     "DocSnapKVConfig",
+    "KeyNormConfig",
     "PromptSpans",
     "StreamingLLMConfig",
     "H2OConfig",
