@@ -183,6 +183,28 @@ class KeyNormConfig(SnapKVConfig):
 
 
 @dataclass(frozen=True)
+class KVzipConfig(SnapKVConfig):
+    """KVzip-style selection (Kim et al. 2025): query-agnostic, the model votes by re-reading. After
+    the prompt, the model is run over a "repeat the previous context" instruction followed by the
+    prompt again (in the same forward pass; nothing of that pass is kept or decoded); each head keeps
+    the prompt positions that the re-reading queries attend to most (the maximum over those queries
+    and over the query heads sharing the KV head, in chunks of ``chunk`` queries), pooled with
+    ``kernel_size``, plus the last ``window_size`` positions. What the documents need to be rebuilt
+    is kept, whatever the question. It costs a second prompt's worth of prefill. Not for models with
+    recurrent layers (the re-read would run through their state).
+    """
+
+    chunk: int = 512
+
+    method = "kvzip"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(isinstance(self.chunk, int) and self.chunk > 0, "chunk",
+                 f"must be a positive integer, got {self.chunk!r}")
+
+
+@dataclass(frozen=True)
 class StreamingLLMConfig(_Budget):
     """StreamingLLM (Xiao et al. 2023): the first ``sink_tokens`` positions plus the most recent ones."""
 
@@ -237,8 +259,8 @@ class RandomConfig(_RecentWindowConfig):
 
 
 CompressionConfig = SnapKVConfig | StreamingLLMConfig | H2OConfig | RandomConfig
-"""Any of the method configs above; ``PyramidKVConfig``, ``DocSnapKVConfig`` and ``KeyNormConfig``
-are ``SnapKVConfig``s."""
+"""Any of the method configs above; ``PyramidKVConfig``, ``DocSnapKVConfig``, ``KeyNormConfig`` and
+``KVzipConfig`` are ``SnapKVConfig``s."""
 
 COMPRESSION_CONFIGS = (SnapKVConfig, StreamingLLMConfig, H2OConfig, RandomConfig)
 
@@ -247,6 +269,7 @@ __all__ = [
     "PyramidKVConfig",
     "DocSnapKVConfig",
     "KeyNormConfig",
+    "KVzipConfig",
     "PromptSpans",
     "StreamingLLMConfig",
     "H2OConfig",

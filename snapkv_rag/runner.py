@@ -34,6 +34,7 @@ import torch
 
 from . import attention
 from .cache import Compressed, PromptCache, compressing, layer_specs
+from .config import KVzipConfig
 from .slots import SlotCache
 
 log = logging.getLogger("snapkv_rag")
@@ -93,6 +94,7 @@ class Runner:
         self._steps: dict[tuple, Callable[[], torch.Tensor]] = {}
         self._host: torch.Tensor | None = None
         self._pool = None
+        self.repeat_ids: tuple[int, ...] = ()  # KVzip's repeat instruction, tokenized (set by the engine)
         self.attach()
 
     def attach(self) -> None:
@@ -110,18 +112,42 @@ class Runner:
     def prefill(self, prompts: list[list[int]], methods: Mapping[str, Any]) -> Prefilled:
         """Run ``prompts`` once (left padded) and compress them under every method of ``methods``
         (name -> config, ``None`` for the full cache). Only the kept caches differ: the prefill
-        itself sees the whole prompt."""
+        itself sees the whole prompt. A KVzip method (:class:`KVzipConfig`) runs its re-read in the
+        same pass: the prompt, then the repeat instruction and the prompt again (see :meth:`_with_reread`)."""
         self.attach()
-        batch = Batch.of(prompts, self.pad_id, self.device)
+        reread = self._with_reread(prompts, methods)
+        batch = Batch.of([prompts[0] + reread] if reread else prompts, self.pad_id, self.device)
+        lengths = [len(prompts[0])] if reread else batch.lengths
         cache = PromptCache(self.model.config, self.specs)
         positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
         start = time.perf_counter()
         sliced = attention.sliced_mlps(self.model, self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
-        with self.lock, torch.inference_mode(), sliced, compressing(cache, methods, batch.lengths) as compressed:
-            logits = self._forward(batch.ids, batch.mask if batch.padded else None, positions, cache)
+        with self.lock, torch.inference_mode(), sliced, \
+                compressing(cache, methods, lengths, reread=len(reread)) as compressed:
+            logits = self._forward(batch.ids, batch.mask if batch.padded else None, positions, cache,
+                                   at=lengths[0] - 1 if reread else None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # prefill time is wall time of the work, not its launch
         return Prefilled(compressed=compressed, logits=logits, prefill_s=time.perf_counter() - start)
+
+    def _with_reread(self, prompts: list[list[int]], methods: Mapping[str, Any]) -> list[int]:
+        """The tokens a KVzip method's re-read appends to the prompt (none without one): the repeat
+        instruction (``repeat_ids``, set by the engine from its tokenizer) and the prompt again."""
+        if not any(isinstance(m, KVzipConfig) for m in methods.values()):
+            return []
+        name = type(self.model).__name__
+        if any(spec.state for spec in self.specs):
+            raise ValueError(f"kvzip: {name} has recurrent layers, which the re-read pass would run through; "
+                             "use keynorm (query-agnostic too) or snapkv")
+        if len(prompts) != 1:
+            raise ValueError("kvzip: one prompt per prefill (the re-read follows its own prompt)")
+        extra = list(self.repeat_ids) + list(prompts[0])
+        context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        if context and len(prompts[0]) + len(extra) > context:
+            raise ValueError(f"kvzip: the prompt ({len(prompts[0])} tokens) and its re-read need "
+                             f"{len(prompts[0]) + len(extra)} positions, more than {name}'s {context}; use keynorm "
+                             "or a shorter prompt")
+        return extra
 
     # ------------------------------------------------------------ decode
     def new_slots(self, max_rows: int) -> SlotCache:
@@ -190,12 +216,14 @@ class Runner:
             self._steps[key] = step
         return step
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, cache, at: int | None = None) -> torch.Tensor:
+        """The next-token logits ``[B, V]`` after the last position (or after position ``at``)."""
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   self.cache_kwarg: cache, "use_cache": True, attention.CACHE_KWARG: cache}
         if self.keep_last:
-            kwargs["logits_to_keep"] = 1
-        return self.model(**kwargs).logits[:, -1, :]
+            kwargs["logits_to_keep"] = 1 if at is None else torch.tensor([at], device=input_ids.device)
+        logits = self.model(**kwargs).logits
+        return logits[:, -1, :] if self.keep_last or at is None else logits[:, at, :]
 
 
 class StepClock:
