@@ -58,14 +58,15 @@ def test_key_norm_does_not_look_at_the_question():
                 for _ in range(3)}) > 1  # while SnapKV's depends on it
 
 
-def test_key_norm_through_the_engine_batch_equals_single_calls(tiny_engine):
-    cfg = KeyNormConfig(max_capacity_prompt=64, window_size=8)
+@pytest.mark.parametrize("method", [KeyNormConfig, KVzipConfig], ids=["keynorm", "kvzip"])
+def test_through_the_engine_a_batch_equals_single_calls(tiny_engine, method):
+    cfg = method(max_capacity_prompt=64, window_size=8)
     questions = ["Which harbour lies north?", "Name the orchard.", "What lies north?"]
     docs = [filler_documents(5), filler_documents(2), filler_documents(3)]
     batch = tiny_engine.generate_batch(questions, docs, snapkv=cfg, max_new_tokens=6)
     single = [tiny_engine.generate(q, d, snapkv=cfg, max_new_tokens=6) for q, d in zip(questions, docs)]
     assert [r.text for r in batch] == [r.text for r in single]
-    assert all(r.compression.method == "keynorm" and r.compression.kept_tokens[0] == 64 for r in single)
+    assert all(r.compression.method == cfg.method and r.compression.kept_tokens[0] == 64 for r in single)
     assert [r.compression.kept_tokens for r in batch] == [r.compression.kept_tokens for r in single]
 
 
