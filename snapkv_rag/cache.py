@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from . import compression
-from .config import RandomConfig
+from .config import KVzipConfig, RandomConfig
 from .layer_kinds import (FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec, UnsupportedModelError,  # noqa: F401
                           layer_specs)  # (re-exported: where callers found them before)
 
@@ -200,6 +200,7 @@ class _Compressor:
     cache: PromptCache
     methods: dict[str, Any]
     lengths: list[int]
+    reread: int = 0
     out: dict[str, list[Compressed]] = field(default_factory=dict)
 
     def __call__(self, layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
@@ -211,8 +212,14 @@ class _Compressor:
             query = torch.cat([layer.prefix.queries, query], dim=-2)
         for name, method in self.methods.items():
             begin = _clock(keys)
-            rows = compress_layer(method, layer.spec, layer_idx, len(self.cache.specs), query, keys, values, vote_keys,
-                                  scoring, self.lengths)
+            if isinstance(method, KVzipConfig):
+                rows = compress_reread_layer(method, layer.spec, layer_idx, len(self.cache.specs), query, keys,
+                                             values, vote_keys, scoring, self.reread)
+            else:  # the prompt's part of a pass with a re-read after it, or the whole pass
+                cut = keys.shape[-2] - self.reread
+                rows = compress_layer(method, layer.spec, layer_idx, len(self.cache.specs), query[..., :cut, :],
+                                      keys[..., :cut, :], values[..., :cut, :], vote_keys[..., :cut, :], scoring,
+                                      self.lengths)
             for compressed, kv in zip(self.out[name], rows):
                 compressed.layers[layer_idx] = kv
                 compressed.selection_s += _clock(keys) - begin
@@ -220,15 +227,20 @@ class _Compressor:
 
 
 @contextlib.contextmanager
-def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[int]) -> Iterator[dict[str, list[Compressed]]]:
+def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[int], reread: int = 0
+                ) -> Iterator[dict[str, list[Compressed]]]:
     """While open, the forward pass of a prompt of rows with ``lengths`` real tokens (left padded) run
     with ``cache`` compresses every attention layer right after its attention, once per method of
     ``methods`` (name -> config, ``None`` for the full cache). Yields name -> one :class:`Compressed`
     per row, complete when the block ends (recurrent layers and hybrid layers' states: each gets its
-    own copy of the state)."""
+    own copy of the state). ``reread``: the pass is one prompt of ``lengths[0]`` tokens followed by
+    ``reread`` tokens of KVzip's re-read (:class:`~snapkv_rag.config.KVzipConfig`), which vote for
+    that method and are cut off for every method."""
     if not methods:
         raise ValueError("compression: give at least one method")
-    compressor = _Compressor(cache, dict(methods), list(lengths))
+    if any(isinstance(m, KVzipConfig) for m in methods.values()) and not (reread and len(lengths) == 1):
+        raise ValueError("kvzip: the pass must hold one prompt and its re-read (Runner.prefill builds it)")
+    compressor = _Compressor(cache, dict(methods), list(lengths), reread)
     for name, method in compressor.methods.items():
         compressor.out[name] = [Compressed(method, cache.specs, [None] * len(cache.specs), real) for real in lengths]
     cache.compress = compressor
@@ -292,6 +304,26 @@ def compress_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, que
             k, v, kept = compression.select(method, q, k, v, None, layer_idx, num_layers, **scoring.as_kwargs())
         out += [LayerKV(k[b:b + 1], v[b:b + 1], kept[b:b + 1] + start) for b in range(k.shape[0])]
     return [LayerKV(kv.keys, kv.values, kv.positions - (length - real)) for kv, real in zip(out, lengths)]
+
+
+def compress_reread_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, query: torch.Tensor,
+                          keys: torch.Tensor, values: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring,
+                          reread: int) -> list[LayerKV]:
+    """One layer of one prompt under KVzip: the pass holds the prompt and then ``reread`` tokens of
+    its re-read; their queries vote over the prompt's keys (a sliding layer: over the part of the
+    prompt its window keeps, as :func:`compress_layer` does)."""
+    length = keys.shape[-2] - reread
+    start = length - (length if spec.window is None else min(length, spec.window - 1))
+    budget = method.budget_for_layer(layer_idx, num_layers)
+    voters, k, v = vote_keys[:, :, start:], keys[:, :, start:length], values[:, :, start:length]
+    readers = query[:, :, length:]
+    if vote_keys.shape != keys.shape:  # multi-head latent attention: one selection for every head
+        kept = compression.kvzip_select(readers, voters, voters[:, :, : length - start], method, capacity=budget,
+                                        shared=True, **scoring.as_kwargs())[2][:, :1].expand(k.shape[0], k.shape[1], -1)
+        k, v = compression.gather_positions(k, kept), compression.gather_positions(v, kept)
+    else:
+        k, v, kept = compression.kvzip_select(readers, voters, v, method, capacity=budget, **scoring.as_kwargs())
+    return [LayerKV(k, v, kept + start)]
 
 
 def _clock(tensor: torch.Tensor) -> float:

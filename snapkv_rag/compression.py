@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .config import DocSnapKVConfig, H2OConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
+from .config import DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
 
 NEG_INF = float("-inf")
 
@@ -248,6 +248,65 @@ def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_state
     return gather_positions(key_states, kept), gather_positions(value_states, kept), kept
 
 
+def key_norm_scores(key_states: torch.Tensor) -> torch.Tensor:
+    """``[B, H_kv, L]``: minus each key's L2 norm, in float64 (higher is kept first). A norm is
+    one reduction per key, so a row's scores do not depend on the batch it is in."""
+    return -torch.linalg.vector_norm(key_states.double(), dim=-1)
+
+
+def key_norm_select(key_states: torch.Tensor, value_states: torch.Tensor, config: KeyNormConfig,
+                    attention_mask: torch.Tensor | None = None, *, capacity: int | None = None, shared: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key-norm selection (:class:`KeyNormConfig`): the prefix positions of shortest keys, pooled
+    like SnapKV's votes, plus the last ``window_size`` positions. ``shared``: one selection for all
+    heads from their scores averaged (multi-head latent attention, see :func:`snapkv_select`)."""
+    capacity = config.max_capacity_prompt if capacity is None else capacity
+    length = key_states.shape[-2]
+    if length <= capacity:
+        return keep_top(key_states.new_zeros(()), key_states, value_states, capacity, 0)
+    window = min(config.window_size, length)
+    scores = key_norm_scores(key_states[..., : length - window, :])
+    if shared:
+        scores, key_states, value_states = scores.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
+    pooled = pool_votes(scores, config.kernel_size, config.pooling)
+    return keep_top(pooled, key_states, value_states, capacity, window, attention_mask)
+
+
+def reread_scores(reread_query: torch.Tensor, key_states: torch.Tensor, prompt_len: int, *, chunk: int = 512,
+                  **scoring) -> torch.Tensor:
+    """KVzip's votes ``[B, H_kv, prompt_len]``: for each prompt key, the largest attention weight any
+    re-reading query (``reread_query`` ``[B, H, R, D]``, at positions ``prompt_len ..`` after the
+    prompt) or query head of its group gives it. ``key_states`` ``[B, H_kv, prompt_len + R, D]`` are
+    the prompt's keys followed by the re-read's (each query sees those before it); the queries go
+    ``chunk`` at a time, so no ``R x L`` matrix is held at once."""
+    best = None
+    for start in range(0, reread_query.shape[-2], chunk):
+        stop = min(start + chunk, reread_query.shape[-2])
+        probs = attention_probs(reread_query[..., start:stop, :], key_states[..., : prompt_len + stop, :], **scoring)
+        part = probs[..., :prompt_len].amax(dim=(2, 3))
+        best = part if best is None else torch.maximum(best, part)
+    return best
+
+
+def kvzip_select(reread_query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                 config: KVzipConfig, *, capacity: int | None = None, shared: bool = False, **scoring
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KVzip-style selection (:class:`KVzipConfig`) of one prompt of ``value_states.shape[-2]``
+    positions: ``key_states`` hold the prompt's keys and then the re-read's (see
+    :func:`reread_scores`); returns the prompt's kept ``(keys, values, kept_positions)``."""
+    capacity = config.max_capacity_prompt if capacity is None else capacity
+    length = value_states.shape[-2]
+    prompt_keys = key_states[..., :length, :]
+    if length <= capacity:
+        return keep_top(prompt_keys.new_zeros(()), prompt_keys, value_states, capacity, 0)
+    window = min(config.window_size, length)
+    scores = reread_scores(reread_query, key_states, length, chunk=config.chunk, **scoring)[..., : length - window]
+    if shared:
+        scores, prompt_keys, value_states = scores.mean(dim=1, keepdim=True), prompt_keys[:, :1], value_states[:, :1]
+    pooled = pool_votes(scores, config.kernel_size, config.pooling)
+    return keep_top(pooled, prompt_keys, value_states, capacity, window)
+
+
 def streaming_select(key_states: torch.Tensor, value_states: torch.Tensor, config: StreamingLLMConfig,
                      attention_mask: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -302,6 +361,12 @@ def select(config, query: torch.Tensor, key_states: torch.Tensor, value_states: 
     ``shared``: one selection for all heads (see :func:`snapkv_select`)."""
     if shared and not isinstance(config, (SnapKVConfig, H2OConfig)):  # positions only: any head will do
         key_states, value_states = key_states[:, :1], value_states[:, :1]
+    if isinstance(config, KVzipConfig):
+        raise ValueError("kvzip: its votes come from a re-read pass that the engine's prefill runs "
+                         "(kvzip_select takes the re-reading queries)")
+    if isinstance(config, KeyNormConfig):
+        return key_norm_select(key_states, value_states, config, attention_mask,
+                               capacity=config.budget_for_layer(layer_idx, num_layers), shared=shared)
     if isinstance(config, DocSnapKVConfig):
         return doc_snapkv_select(query, key_states, value_states, config, attention_mask,
                                  capacity=config.budget_for_layer(layer_idx, num_layers), shared=shared, **scoring)
@@ -316,4 +381,4 @@ def select(config, query: torch.Tensor, key_states: torch.Tensor, value_states: 
     if isinstance(config, RandomConfig):
         return random_select(key_states, value_states, config, attention_mask, layer_idx=layer_idx)
     raise TypeError(f"snapkv: expected a compression config (SnapKVConfig, StreamingLLMConfig, H2OConfig, "
-                    f"RandomConfig, PyramidKVConfig, DocSnapKVConfig), got {type(config).__name__}")
+                    f"RandomConfig, PyramidKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig), got {type(config).__name__}")

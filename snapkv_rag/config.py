@@ -170,6 +170,41 @@ class DocSnapKVConfig(SnapKVConfig):
 
 
 @dataclass(frozen=True)
+class KeyNormConfig(SnapKVConfig):
+    """Key-norm selection (Devoto et al. 2024): query-agnostic, the prompt's own keys decide. Keys
+    of small L2 norm draw the most attention in practice, so each head keeps the prefix positions
+    whose keys are shortest (norms in float64, pooled with ``kernel_size`` like SnapKV's votes, so
+    kept tokens come in clusters), plus the last ``window_size`` positions. No question is looked
+    at: the same documents keep the same tokens whatever is asked of them, and no attention scores
+    are computed (the cheapest method after StreamingLLM). Same fields as :class:`SnapKVConfig`.
+    """
+
+    method = "keynorm"
+
+
+@dataclass(frozen=True)
+class KVzipConfig(SnapKVConfig):
+    """KVzip-style selection (Kim et al. 2025): query-agnostic, the model votes by re-reading. After
+    the prompt, the model is run over a "repeat the previous context" instruction followed by the
+    prompt again (in the same forward pass; nothing of that pass is kept or decoded); each head keeps
+    the prompt positions that the re-reading queries attend to most (the maximum over those queries
+    and over the query heads sharing the KV head, in chunks of ``chunk`` queries), pooled with
+    ``kernel_size``, plus the last ``window_size`` positions. What the documents need to be rebuilt
+    is kept, whatever the question. It costs a second prompt's worth of prefill. Not for models with
+    recurrent layers (the re-read would run through their state).
+    """
+
+    chunk: int = 512
+
+    method = "kvzip"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(isinstance(self.chunk, int) and self.chunk > 0, "chunk",
+                 f"must be a positive integer, got {self.chunk!r}")
+
+
+@dataclass(frozen=True)
 class StreamingLLMConfig(_Budget):
     """StreamingLLM (Xiao et al. 2023): the first ``sink_tokens`` positions plus the most recent ones."""
 
@@ -224,7 +259,8 @@ class RandomConfig(_RecentWindowConfig):
 
 
 CompressionConfig = SnapKVConfig | StreamingLLMConfig | H2OConfig | RandomConfig
-"""Any of the method configs above; ``PyramidKVConfig`` and ``DocSnapKVConfig`` are ``SnapKVConfig``s."""
+"""Any of the method configs above; ``PyramidKVConfig``, ``DocSnapKVConfig``, ``KeyNormConfig`` and
+``KVzipConfig`` are ``SnapKVConfig``s."""
 
 COMPRESSION_CONFIGS = (SnapKVConfig, StreamingLLMConfig, H2OConfig, RandomConfig)
 
@@ -232,6 +268,8 @@ __all__ = [
     "SnapKVConfig",
     "PyramidKVConfig",
     "DocSnapKVConfig",
+    "KeyNormConfig",
+    "KVzipConfig",
     "PromptSpans",
     "StreamingLLMConfig",
     "H2OConfig",

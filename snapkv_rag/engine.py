@@ -18,7 +18,7 @@ import torch
 
 from . import attention, cited, compare as comparing, loading, prefix_cache, structured
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
-from .prompts import DEFAULT_INSTRUCTION, DocumentLike
+from .prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
 from .results import GenerationResult, Timings, finish_result
 from .runner import Runner
 from .sampling import SamplingOptions
@@ -112,6 +112,7 @@ class SnapKVLLM:
         self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
         self.runner = Runner(self.model, eos_ids=frozenset(eos), pad_id=pad, base=self.attn_implementation,
                              prefill_chunk=prefill_chunk, compile=compile, prefix_cache=self.prefix_cache)
+        self.runner.repeat_ids = tuple(self.tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
         self.device = self.runner.device
         self.compile, self.prefill_chunk = compile, prefill_chunk
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch=max_batch, max_kv_bytes=max_kv_bytes)

@@ -15,6 +15,9 @@ DEFAULT_INSTRUCTION = (
     "documents that support it by their numbers in square brackets, for example [1] or [2][3]."
 )
 
+REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly.\n"
+"""What KVzip's re-read pass puts between the prompt and its second reading (:class:`~snapkv_rag.config.KVzipConfig`)."""
+
 
 @dataclass(frozen=True)
 class Document:

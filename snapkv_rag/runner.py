@@ -36,6 +36,7 @@ import torch
 
 from . import attention, prefix_cache
 from .cache import Compressed, PromptCache, compressing, layer_specs
+from .config import KVzipConfig
 from .prefix_cache import PrefixCache
 from .slots import SlotCache
 
@@ -100,6 +101,7 @@ class Runner:
         self._host: torch.Tensor | None = None
         self._pool = None
         self._eager_logged = False
+        self.repeat_ids: tuple[int, ...] = ()  # KVzip's repeat instruction, tokenized (set by the engine)
         self.attach()
 
     def attach(self) -> None:
@@ -119,8 +121,11 @@ class Runner:
         (name -> config, ``None`` for the full cache). Only the kept caches differ: the prefill
         itself sees the whole prompt. ``boundary`` (one prompt): its first ``boundary`` tokens are
         a document prefix (:mod:`snapkv_rag.prefix_cache`): taken from the prefix cache when there,
-        else kept in it after this prefill; the selection is the same either way."""
+        else kept in it after this prefill; the selection is the same either way. A KVzip method
+        (:class:`KVzipConfig`) runs its re-read in the same pass: the prompt, then the repeat
+        instruction and the prompt again (see :meth:`_with_reread`; no prefix is reused then)."""
         self.attach()
+        reread = self._with_reread(prompts, methods)
         start = time.perf_counter()
         prefix, capture = self._prefix_plan(prompts, methods, boundary)
         skip = 0 if prefix is None else prefix.length
@@ -130,8 +135,13 @@ class Runner:
         positions = (batch.mask.cumsum(-1) - 1).clamp(min=0) + skip
         sliced = attention.sliced_mlps(self.model, self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
         lengths = [length + skip for length in batch.lengths]
-        with self.lock, torch.inference_mode(), sliced, compressing(cache, methods, lengths) as compressed:
-            logits = self._forward(batch.ids, batch.mask if batch.padded else None, positions, cache)
+        if reread:  # one prompt, and its re-read after it in the same pass
+            batch = Batch.of([prompts[0] + reread], self.pad_id, self.device)
+            positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+        with self.lock, torch.inference_mode(), sliced, \
+                compressing(cache, methods, lengths, reread=len(reread)) as compressed:
+            logits = self._forward(batch.ids, batch.mask if batch.padded else None, positions, cache,
+                                   at=lengths[0] - 1 if reread else None)
         if capture is not None and not capture.too_big:
             self.prefix_cache.store(capture.prefix(prompts[0], len(self.specs)))
         if self.device.type == "cuda":
@@ -145,6 +155,8 @@ class Runner:
         if boundary is None or store is None or not store.enabled or len(prompts) != 1:
             return None, None
         why = prefix_cache.unsupported(self.specs)
+        if why is None and any(isinstance(m, KVzipConfig) for m in methods.values()):
+            why = "KVzip re-reads the whole prompt in its own pass"
         needed = prefix_cache.queries_needed(methods)
         if why is None and needed is None:
             why = "H2O votes with every prompt query"
@@ -153,6 +165,25 @@ class Runner:
             return None, None
         hit = store.lookup(prompts[0], limit=boundary, queries=needed)
         return (hit, None) if hit is not None else (None, prefix_cache.Capture(boundary, store.max_bytes))
+
+    def _with_reread(self, prompts: list[list[int]], methods: Mapping[str, Any]) -> list[int]:
+        """The tokens a KVzip method's re-read appends to the prompt (none without one): the repeat
+        instruction (``repeat_ids``, set by the engine from its tokenizer) and the prompt again."""
+        if not any(isinstance(m, KVzipConfig) for m in methods.values()):
+            return []
+        name = type(self.model).__name__
+        if any(spec.state for spec in self.specs):
+            raise ValueError(f"kvzip: {name} has recurrent layers, which the re-read pass would run through; "
+                             "use keynorm (query-agnostic too) or snapkv")
+        if len(prompts) != 1:
+            raise ValueError("kvzip: one prompt per prefill (the re-read follows its own prompt)")
+        extra = list(self.repeat_ids) + list(prompts[0])
+        context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        if context and len(prompts[0]) + len(extra) > context:
+            raise ValueError(f"kvzip: the prompt ({len(prompts[0])} tokens) and its re-read need "
+                             f"{len(prompts[0]) + len(extra)} positions, more than {name}'s {context}; use keynorm "
+                             "or a shorter prompt")
+        return extra
 
     # ------------------------------------------------------------ decode
     def new_slots(self, max_rows: int) -> SlotCache:
@@ -225,12 +256,14 @@ class Runner:
             self._steps[key] = step
         return step
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, cache, at: int | None = None) -> torch.Tensor:
+        """The next-token logits ``[B, V]`` after the last position (or after position ``at``)."""
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   self.cache_kwarg: cache, "use_cache": True, attention.CACHE_KWARG: cache}
         if self.keep_last:
-            kwargs["logits_to_keep"] = 1
-        return self.model(**kwargs).logits[:, -1, :]
+            kwargs["logits_to_keep"] = 1 if at is None else torch.tensor([at], device=input_ids.device)
+        logits = self.model(**kwargs).logits
+        return logits[:, -1, :] if self.keep_last or at is None else logits[:, at, :]
 
 
 class StepClock:

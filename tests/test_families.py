@@ -22,7 +22,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from families import COMMON, FAMILIES, tiny_model
-from snapkv_rag import (DocSnapKVConfig, H2OConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM,
+from snapkv_rag import (DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM,
                         StreamingLLMConfig)
 from snapkv_testing import capture_caches, filler_documents, tiny_llama
 
@@ -231,7 +231,10 @@ def test_compare_equals_generate_for_every_method(family):
     methods = {"full": None, "snapkv": BUDGET, "pyramid": PyramidKVConfig(max_capacity_prompt=64, window_size=8),
                "streaming": StreamingLLMConfig(max_capacity_prompt=64), "h2o": H2OConfig(max_capacity_prompt=64, recent_size=8),
                "random": RandomConfig(max_capacity_prompt=64, recent_size=8),
-               "docsnapkv": DocSnapKVConfig(max_capacity_prompt=128, window_size=8)}
+               "docsnapkv": DocSnapKVConfig(max_capacity_prompt=128, window_size=8),
+               "keynorm": KeyNormConfig(max_capacity_prompt=64, window_size=8)}
+    if not any(spec.state for spec in llm.runner.specs):  # (refused with recurrent layers: test_query_agnostic)
+        methods["kvzip"] = KVzipConfig(max_capacity_prompt=64, window_size=8)
     docs = filler_documents(4)
     both = llm.compare(QUESTION, docs, methods=methods, max_new_tokens=10)
     for name, config in methods.items():
