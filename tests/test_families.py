@@ -33,13 +33,7 @@ NAMES = list(FAMILIES)
 _models: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Toy models are all overhead: one thread is ~10x faster than two on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_of(name: str, vocab: int, dtype=torch.float32):

@@ -25,12 +25,7 @@ NEW = [14, 6, 9, 7, 11]  # and five answer lengths: rows leave at different step
 _models: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(params=HYBRID)
