@@ -102,6 +102,8 @@ def compare(scheduler: Scheduler, request: Request, methods: Mapping[str, Any], 
             stop: Sequence[str] = (), hit_rate: bool = True, together: bool = False) -> Comparison:
     """``methods`` maps a name to a config (``None`` for the full cache); ``together``: the methods
     decode as rows of one batch (else one after another, each with its own decode timings)."""
+    if options.n != 1:
+        raise ValueError(f"n: compare gives one answer per method, got n={options.n}; call generate with n per method")
     full_names = [name for name, config in methods.items() if config is None]
     record = hit_rate and len(full_names) < len(methods)
     caches = {FULL: None, **methods} if record and not full_names else dict(methods)

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
 
-from . import attention, cited, compare as comparing, loading, prefix_cache, structured
+from . import attention, choices, cited, compare as comparing, loading, prefix_cache, structured
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
 from .prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
 from .results import GenerationResult, Timings, finish_result
@@ -29,7 +29,7 @@ from .tools import ToolPlan
 Comparison = comparing.Comparison
 log = logging.getLogger(__name__)
 OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "snapkv", "ignore_eos", "response_format",
-           "cite")
+           "cite", "n", "logprobs")
 
 
 class ContextLengthError(ValueError):
@@ -162,8 +162,9 @@ class SnapKVLLM:
         Options: ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``stop`` (strings),
         ``seed``, ``snapkv`` (a config, or ``False`` for the full cache), ``response_format`` (a JSON
         schema, a pydantic model class or ``{"type": "json_object"}``: the answer is that JSON, parsed
-        in ``result.parsed``) and ``cite`` (``"json"``: the answer and its citations come as
-        constrained JSON, see :mod:`snapkv_rag.cited`)."""
+        in ``result.parsed``), ``cite`` (``"json"``: the answer and its citations come as
+        constrained JSON, see :mod:`snapkv_rag.cited`), ``n`` (answers, in ``result.choices``) and
+        ``logprobs`` (alternatives per token, in ``result.logprobs``): see :mod:`snapkv_rag.choices`."""
         return self.chat(self._messages(check_question(question)), documents, **options)
 
     def stream(self, question: str, documents: Sequence[DocumentLike] | None = None, **options) -> Iterator[str]:
@@ -270,9 +271,8 @@ class SnapKVLLM:
     # ------------------------------------------------------------------ internals
     @staticmethod
     def _messages(question_or_messages) -> Sequence[Message]:
-        if isinstance(question_or_messages, str):
-            return [{"role": "user", "content": check_question(question_or_messages)}]
-        return question_or_messages
+        text = isinstance(question_or_messages, str)
+        return [{"role": "user", "content": check_question(question_or_messages)}] if text else question_or_messages
 
     def _tool_request(self, messages, documents, options: dict) -> tuple[Request, dict, ToolPlan | None]:
         """The request with its tools rendered, the options with the call's ``response_format``."""
@@ -298,7 +298,8 @@ class SnapKVLLM:
             max_new_tokens=default_new if options.get("max_new_tokens") is None else options["max_new_tokens"],
             temperature=options.get("temperature") or 0.0,
             top_p=1.0 if options.get("top_p") is None else options["top_p"], seed=options.get("seed"),
-            ignore_eos=options.get("ignore_eos", False))
+            ignore_eos=options.get("ignore_eos", False), n=1 if options.get("n") is None else options["n"],
+            logprobs=options.get("logprobs"))
         for request in requests:
             if request.constraint is not None:  # its last tokens close the JSON
                 request.constraint.budget = sampling.max_new_tokens
@@ -334,6 +335,8 @@ class SnapKVLLM:
             ticket.cancel()
 
     def _result(self, request: Request, outcome: Outcome, plan: ToolPlan | None = None) -> GenerationResult:
+        if outcome.choices:  # n > 1: each choice's result (its own grammar state), then all in one
+            return choices.combine([self._result(choices.own_request(request, o), o, plan) for o in outcome.choices])
         timings = Timings(prefill_s=outcome.prefill_s, decode_ms_per_token=0.0, batch_size=outcome.batch_size,
                           queued_s=outcome.queued_s)
         result = cited.finish(finish_result(outcome.row, request.documents, len(request.input_ids), outcome.compression,

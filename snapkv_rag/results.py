@@ -50,6 +50,24 @@ class Timings:
 
 
 @dataclass
+class TopLogprob:
+    """One of the most likely tokens at a step: its text, id, log-probability and UTF-8 bytes."""
+
+    token: str
+    id: int
+    logprob: float
+    bytes: list[int]
+
+
+@dataclass
+class TokenLogprob(TopLogprob):
+    """A generated token (with ``logprobs``): as :class:`TopLogprob`, and the step's ``top_logprobs``,
+    most likely first (the chosen token among them when it is one of them)."""
+
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
 class GenerationResult:
     text: str
     citations: list[int]
@@ -66,6 +84,12 @@ class GenerationResult:
     the answer)."""
     tool_calls: list[dict] = field(default_factory=list)
     """With ``tools``: the call the model made, ``[{"id", "name", "arguments": dict}]``."""
+    logprobs: list[TokenLogprob] | None = None
+    """With ``logprobs=k``: one entry per generated token (the logits the sampler used: after the
+    grammar mask, before temperature); ``None`` otherwise."""
+    choices: list[GenerationResult] = field(default_factory=list)
+    """With ``n > 1``: the ``n`` answers (this result is a copy of ``choices[0]``, but its ``usage``
+    counts the prompt once and the completion tokens of all of them); empty otherwise."""
 
     @property
     def cited_documents(self) -> list[Document]:
@@ -108,4 +132,4 @@ def finish_result(row_text, documents: list[Document], prompt_tokens: int, compr
         text=row_text.text, citations=parse_citations(row_text.text, len(documents)),
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(row_text.token_ids)),
         compression=compression, timings=timings, finish_reason=row_text.finish_reason, documents=documents,
-        raw_text=row_text.text)
+        raw_text=row_text.text, logprobs=row_text.logprobs)

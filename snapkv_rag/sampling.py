@@ -28,18 +28,23 @@ _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never overflows.
 _MIX_A, _MIX_B = 0x7FEB352D, 0x5BD1E995
 _WEYL = 0x9E3779B1  # spaces consecutive token indices apart before they are mixed
+MAX_N, MAX_LOGPROBS = 16, 20  # answers per request; alternatives reported per token
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
     """How tokens are picked: ``temperature`` 0 is greedy; ``top_p`` nucleus; ``seed`` for sampling;
-    ``ignore_eos`` decodes exactly ``max_new_tokens`` tokens (for benchmarks, as vLLM's option)."""
+    ``ignore_eos`` decodes exactly ``max_new_tokens`` tokens (for benchmarks, as vLLM's option);
+    ``n`` answers from one prefill; ``logprobs`` (0..20 alternatives, ``None``: off) reports each
+    picked token's log-probability (:mod:`snapkv_rag.choices`)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -52,6 +57,12 @@ class SamplingOptions:
             raise TypeError(f"seed: expected an int, got {type(self.seed).__name__}")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos: expected True or False, got {self.ignore_eos!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be an integer from 1 to {MAX_N}, got {self.n!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: must be None or an integer from 0 to {MAX_LOGPROBS} (the alternatives "
+                             f"reported per token), got {self.logprobs!r}")
 
 
 class SamplingSlots:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import prefix_cache, structured
+from . import choices, prefix_cache, structured
 from .cache import Compressed
 from .results import CompressionStats, compression_stats
 from .runner import Prefilled, Runner, StepClock
@@ -38,7 +38,6 @@ from .row_states import state_bytes
 from .slots import SlotCache, request_states
 from .text import Request, RowText, TextState
 from .tickets import _DONE, _ERROR, _PIECE, Ticket  # noqa: F401 (Ticket: re-exported)
-
 
 
 @dataclass
@@ -52,6 +51,8 @@ class Outcome:
     batch_size: int
     kept_positions: dict | None = None  # per layer, the prompt positions kept (requests of a group)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    constraint: Any = None  # the row's grammar state at its end (each choice has its own)
+    choices: list = field(default_factory=list)  # n > 1: every choice's Outcome (this one is choice 0)
 
 
 @dataclass
@@ -65,16 +66,26 @@ class SchedulerStats:
     generated_tokens: int
     prompt_tokens: int
     kept_prompt_tokens: int
+    prefills: int = 0  # prompts prefilled (n choices, or the methods of ``compare``, share one)
 
 
 @dataclass
 class Group:
-    """Requests that share one prefill: one per compression method of ``methods`` (``compare``)."""
+    """Requests that share one prefill: one per compression method of ``methods`` (``compare``),
+    or ``n`` choices of one request (one method, one selection, ``n`` rows)."""
 
     ids: list[int]
     methods: dict[str, Any]
     together: bool = False  # decode as rows of one batch; else one after another (own timings)
     prefilled: Prefilled | None = None
+    n: int = 1
+    finished: dict[int, Outcome] = field(default_factory=dict)
+
+    def gather(self, outcome: Outcome, index: int) -> Outcome | None:
+        """Choice ``index`` is done: once all ``n`` are, choice 0's outcome holding all of them."""
+        self.finished[index] = outcome
+        done = len(self.finished) == self.n
+        return dataclasses.replace(self.finished[0], choices=[self.finished[i] for i in range(self.n)]) if done else None
 
 
 @dataclass
@@ -88,10 +99,12 @@ class Job:
     ticket: Ticket
     group: Group | None = None
     name: str = ""  # its method's name in ``group``
+    choice: int = 0  # its index among the ``n`` choices of its request
     recorder: Any = None  # compare's hit-rate recorder (its row decodes eagerly)
     submitted: float = field(default_factory=time.perf_counter)
     text: TextState | None = None
     constraint: Any = None
+    log: choices.ChoiceLog | None = None
     step_ms: list[float] = field(default_factory=list)
     batch_size: int = 1
     outcome: dict = field(default_factory=dict)
@@ -120,15 +133,21 @@ class Scheduler:
         self._first = SamplingSlots(1, runner.device)  # picks a joining request's first token
         self._bytes_per_slot: float | None = None
         self._state_bytes = 0  # a request's conv / SSM states (models with recurrent layers)
-        self._totals = {"finished": 0, "generated_tokens": 0, "prompt_tokens": 0, "kept_prompt_tokens": 0}
+        self._totals = {"finished": 0, "generated_tokens": 0, "prompt_tokens": 0, "kept_prompt_tokens": 0,
+                        "prefills": 0}
+        self._texts = choices.TokenTexts(tokenizer)
+        self._logprobs = None  # the last pick's logprobs on the device (rows that asked for them)
 
     # ------------------------------------------------------------ callers' side
     def submit(self, request: Request, sampling: SamplingOptions, stop: list[str], config,
                loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
         """Queue a request; its pieces and outcome come through the returned :class:`Ticket`
-        (delivered on ``loop`` for async callers)."""
-        ticket = Ticket(loop)
-        self._queue([Job(request, _seeded(sampling), list(stop), config, ticket)])
+        (delivered on ``loop`` for async callers). ``sampling.n > 1``: ``n`` rows share one prefill
+        (:mod:`snapkv_rag.choices`) and one ticket, whose outcome holds all ``n``."""
+        ticket, sampling = Ticket(loop), _seeded(sampling)
+        group = Group(request.input_ids, {"": config}, together=True, n=sampling.n) if sampling.n > 1 else None
+        self._queue([Job(choices.choice_request(request, i), choices.choice_sampling(sampling, i), list(stop),
+                         config, ticket, group=group, choice=i) for i in range(sampling.n)])
         return ticket
 
     def submit_group(self, requests: dict[str, Request], methods: dict[str, Any], sampling: SamplingOptions,
@@ -213,10 +232,12 @@ class Scheduler:
         if job.group is None:
             ids = job.request.input_ids
             pre = self.runner.prefill([ids], {"": job.config}, prefix_cache.boundary(ids, job.request.spans))
+            self._totals["prefills"] += 1
         else:
             if job.group.prefilled is None:
                 job.group.prefilled = self.runner.prefill([job.group.ids], job.group.methods,
                                                           prefix_cache.boundary(job.group.ids, job.request.spans))
+                self._totals["prefills"] += 1
             pre = job.group.prefilled
         job.outcome["cached_tokens"] = pre.cached_tokens
         return pre.compressed[job.name][0], pre.logits, pre.prefill_s
@@ -234,9 +255,10 @@ class Scheduler:
             self._state_bytes = state_bytes(request_states(compressed, self.runner.specs))
             job.text = TextState(self.tokenizer, job.stop)
             job.constraint = getattr(job.request, "constraint", None)
+            job.log = choices.ChoiceLog.of(job.choice, job.sampling, self._texts)
             self._first.set_row(0, job.sampling)
             token = self.runner.to_host(self._pick(logits.clone(), [job], self._first, 1))[0]
-            if not self._advance(job, token):
+            if not self._advance(job, token, choices.to_host(self._logprobs).get(0)):
                 return
             if self.slots is None:
                 self.slots = self.runner.new_slots(self.max_batch)
@@ -263,10 +285,10 @@ class Scheduler:
         slots = self.slots
         b = slots.batch_rows()
         jobs = [self.running.get(row) for row in range(b)]
-        constrained = any(job is not None and job.constraint is not None for job in jobs)
-        kind = self.sampling.kind(b)
-        pick = None if kind == GREEDY and not constrained else (
-            lambda logits: self._pick(logits, jobs, self.sampling, b))
+        eager = any(job is not None and job.constraint is not None for job in jobs) or any(
+            k is not None for k in choices.wanted(jobs))  # a grammar, or logprobs: the logits are needed
+        kind, self._logprobs = self.sampling.kind(b), None
+        pick = None if kind == GREEDY and not eager else lambda logits: self._pick(logits, jobs, self.sampling, b)
         clock = StepClock(self.runner.device)
         try:
             tokens = self.runner.to_host(self.runner.decode_step(slots, b, pick))
@@ -275,13 +297,14 @@ class Scheduler:
                 job.ticket.put(_ERROR, error)
             self.running, self.slots = {}, None
             return
+        found = choices.to_host(self._logprobs)
         ms = clock.ms() - 1000 * slots.record_s
         slots.record_s = 0.0
         for row, job in list(self.running.items()):
             job.step_ms.append(ms)
             slots.decoded[row] += 1
             try:
-                going = self._advance(job, tokens[row])
+                going = self._advance(job, tokens[row], found.get(row))
             except Exception as error:  # noqa: BLE001 - this row's caller gets it; the worker goes on
                 job.ticket.put(_ERROR, error)
                 going = False
@@ -293,19 +316,21 @@ class Scheduler:
         constraints = [job.constraint if job is not None else None for job in jobs]
         if any(c is not None for c in constraints):
             structured.apply_masks(logits, constraints)
-        return sample(logits, sampling, rows)
+        tokens = sample(logits, sampling, rows)
+        self._logprobs = choices.on_device(logits, tokens, choices.wanted(jobs))  # masked, before temperature
+        return tokens
 
-    def _advance(self, job: Job, token: int) -> bool:
-        """Hand ``token`` to ``job``'s caller; whether the job goes on decoding."""
+    def _advance(self, job: Job, token: int, found: tuple | None = None) -> bool:
+        """Hand ``token`` (and ``found``, its logprobs if asked) to ``job``'s caller; whether the job goes on."""
         if job.ticket.cancelled.is_set():
             return False
         if job.constraint is not None:
             job.constraint.accept(token)
         if token in self.runner.eos_ids and not job.sampling.ignore_eos:
             return self._finish(job, "stop")
-        piece = job.text.push(token)
-        if piece:
-            job.ticket.put(_PIECE, piece)
+        if job.log is not None:
+            job.log.add(token, found)
+        self._emit(job, job.text.push(token))
         if job.text.finished:
             return self._finish(job, "stop")
         if len(job.text.ids) >= job.sampling.max_new_tokens:
@@ -314,19 +339,28 @@ class Scheduler:
 
     def _finish(self, job: Job, reason: str) -> bool:
         job.text.finished = job.text.finished or reason
-        piece = job.text.flush()
-        if piece:
-            job.ticket.put(_PIECE, piece)
+        self._emit(job, job.text.flush(), final=True)
         steps = tuple(job.step_ms)
         row = RowText(text=job.text.text, finish_reason=job.text.finished, token_ids=job.text.ids,
-                      decode_ms_per_token=sum(steps) / len(steps) if steps else 0.0, decode_step_ms=steps)
+                      decode_ms_per_token=sum(steps) / len(steps) if steps else 0.0, decode_step_ms=steps,
+                      logprobs=job.log and job.log.all)
         with self._cond:
             self._totals["finished"] += 1
             self._totals["generated_tokens"] += len(job.text.ids)
             self._totals["prompt_tokens"] += job.outcome["compression"].prompt_tokens
             self._totals["kept_prompt_tokens"] += max(job.outcome["compression"].kept_tokens, default=0)
-        job.ticket.put(_DONE, Outcome(row=row, batch_size=job.batch_size, **job.outcome))
+        done = Outcome(row=row, batch_size=job.batch_size, constraint=job.constraint, **job.outcome)
+        if job.group is not None and job.group.n > 1:
+            done = job.group.gather(done, job.choice)
+        if done is not None:
+            job.ticket.put(_DONE, done)
         return False
+
+    def _emit(self, job: Job, text: str, final: bool = False) -> None:
+        """Send ``text`` (a :class:`~snapkv_rag.choices.Piece` when the job reports its choice or logprobs)."""
+        piece = job.log.piece(text, final) if job.log is not None else text or None
+        if piece is not None:
+            job.ticket.put(_PIECE, piece)
 
     def _leave(self, row: int) -> None:
         job = self.running.pop(row)

@@ -41,6 +41,7 @@ class RowText:
     token_ids: list[int]
     decode_ms_per_token: float
     decode_step_ms: tuple[float, ...] = ()
+    logprobs: list | None = None  # with ``logprobs``: a TokenLogprob per token
 
 
 def check_question(question) -> str:
