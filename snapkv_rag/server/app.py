@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException
 from ..engine import ContextLengthError, GenerationOutOfMemoryError
 from . import protocol
 from .metrics import Metrics
-from .tool_calls import CallStream, stream_end
 from .protocol import APIError, Call, ServerSettings
+from .streams import Streams
 
 log = logging.getLogger("snapkv_rag.server")
 
@@ -218,14 +218,13 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
             return JSONResponse(protocol.response(call, call_id, created, item))
 
         async def events():
-            item = first
-            calls = CallStream() if call.tools is not None and call.tools.call else None  # a call, not text
-            if call.kind == "chat":
-                yield _sse(protocol.chunk(call, call_id, created, role=True))
+            item, streams = first, Streams(call, call_id, created)
+            for event in streams.start():
+                yield _sse(event)
             try:
                 while isinstance(item, str):
-                    for delta in calls.feed(item) if calls else (item,):
-                        yield _sse(protocol.chunk(call, call_id, created, delta))
+                    for event in streams.piece(item):
+                        yield _sse(event)
                     if cancelled():
                         yield _sse(shutting_down.body())
                         return
@@ -239,9 +238,8 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
                 await release()
             metrics.finished(endpoint, item, time.perf_counter() - arrived)
             metrics.requests.labels(endpoint, "200").inc()
-            for delta in stream_end(calls, item) if calls else ():
-                yield _sse(protocol.chunk(call, call_id, created, delta))
-            yield _sse(protocol.chunk(call, call_id, created, result=item))
+            for event in streams.end(item):
+                yield _sse(event)
             if call.include_usage:
                 yield _sse(protocol.usage_chunk(call, call_id, created, item))
             yield _sse("[DONE]")

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..config import DocSnapKVConfig, KeyNormConfig, KVzipConfig, SnapKVConfig
 from ..tools import ToolPlan
-from . import tool_calls
+from . import logprobs, tool_calls
 from .errors import APIError, bad, typed
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -171,15 +171,11 @@ def _options(body: dict, settings: ServerSettings) -> tuple[dict, bool, bool]:
     for name in UNSUPPORTED:
         if body.get(name):
             raise bad(name, "not supported by this server", "unsupported_parameter")
-    for name in ("logprobs", "echo"):
-        if typed(body, name, (bool, int), "a boolean"):
-            raise bad(name, "not supported by this server", "unsupported_parameter")
+    if typed(body, "echo", (bool,), "a boolean"):
+        raise bad("echo", "not supported by this server", "unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
         if typed(body, name, (int, float), "a number"):
             raise bad(name, "only 0 is supported", "unsupported_parameter")
-    n = typed(body, "n", (int,), "an integer")
-    if n not in (None, 1):
-        raise bad("n", f"only n=1 is supported, got {n}", "unsupported_parameter")
     options: dict[str, Any] = {}
     tokens = typed(body, "max_completion_tokens", (int,), "an integer")
     tokens = typed(body, "max_tokens", (int,), "an integer") if tokens is None else tokens
@@ -236,6 +232,7 @@ def parse_chat(body: dict, settings: ServerSettings) -> Call:
     messages = _messages(body, settings.max_documents, documents)
     options, stream, usage = _options(body, settings)
     tool_options, plan = tool_calls.parse_tools(body, messages[-1]["role"])
+    options.update(logprobs.parse(body, "chat"))
     return Call("chat", _model(body), messages, documents, {**options, **tool_options}, stream, usage, plan)
 
 
@@ -253,6 +250,7 @@ def parse_completion(body: dict, settings: ServerSettings) -> Call:
     if given:
         raise bad(given, "only on /v1/chat/completions", "unsupported_parameter")
     options, stream, usage = _options(body, settings)
+    options.update(logprobs.parse(body, "completion"))
     return Call("completion", _model(body), prompt, documents, options, stream, usage)
 
 
@@ -274,29 +272,30 @@ def extension(result) -> dict:
 
 
 def response(call: Call, call_id: str, created: int, result) -> dict:
-    if call.kind == "chat":
-        choice = {"index": 0, "message": tool_calls.message(result, call.tools),
-                  "finish_reason": result.finish_reason, "logprobs": None}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-        kind = "text_completion"
-    return {"id": call_id, "object": kind, "created": created, "model": call.model, "choices": [choice],
+    """The response body: one choice per answer (``n``), ``usage`` with the prompt counted once."""
+    choices = []
+    for index, answer in enumerate(result.choices or [result]):
+        content = {"message": tool_calls.message(answer, call.tools)} if call.kind == "chat" else {"text": answer.text}
+        choices.append({"index": index, **content, "finish_reason": answer.finish_reason,
+                        "logprobs": logprobs.of(call.kind, answer.logprobs)})
+    kind = "chat.completion" if call.kind == "chat" else "text_completion"
+    return {"id": call_id, "object": kind, "created": created, "model": call.model, "choices": choices,
             "usage": usage(result), "snapkv": extension(result)}
 
 
 def chunk(call: Call, call_id: str, created: int, piece: str | dict | None = None, result=None,
-          role: bool = False) -> dict:
-    """One streamed event: a text piece (or a chat ``delta``, such as a tool call's), the opening
-    role (chat), or the closing finish reason (``result`` given; it carries the ``snapkv`` field)."""
+          role: bool = False, index: int = 0, entries: dict | None = None) -> dict:
+    """One streamed event of choice ``index``: a text piece (or a chat ``delta``, such as a tool
+    call's) with its tokens' logprobs (``entries``, shaped by :mod:`.logprobs`), the opening role
+    (chat), or the closing finish reason (``result`` given; it carries the ``snapkv`` field)."""
     reason = result.finish_reason if result is not None else None
     if call.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else {} if piece is None else \
             piece if isinstance(piece, dict) else {"content": piece}
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": entries}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "text": piece or "", "finish_reason": reason, "logprobs": entries}
         kind = "text_completion"
     event = {"id": call_id, "object": kind, "created": created, "model": call.model, "choices": [choice]}
     if call.include_usage:
