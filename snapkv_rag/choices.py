@@ -17,7 +17,7 @@ tokens' under the logits the sampler picked from: after the grammar mask (a toke
 forbids has probability 0 and is never listed), before temperature and top-p, as in OpenAI's API.
 They are computed on the device for the rows that asked only (the others' step is unchanged but for
 giving the sampler the logits), and cost one extra copy to the host per step while such a row runs.
-Streamed pieces are :class:`Piece` strings that carry their choice's ``index`` and the logprobs of
+Streamed pieces are :class:`Piece` strings that carry their ``choice`` (index) and the logprobs of
 the tokens whose text they complete; the pieces' logprobs, concatenated, are the result's.
 """
 
@@ -34,16 +34,16 @@ from .text import Request
 
 
 class Piece(str):
-    """A streamed text piece of choice ``index``; ``logprobs``: the tokens it completes (with
-    ``logprobs`` asked; else ``None``). A piece may be empty when it only carries logprobs."""
+    """A streamed text piece of answer ``choice`` (its index); ``logprobs``: the tokens it completes
+    (with ``logprobs`` asked; else ``None``). A piece may be empty when it only carries logprobs."""
 
-    index: int = 0
+    choice: int = 0
     logprobs: list[TokenLogprob] | None = None
 
     @classmethod
-    def of(cls, text: str, index: int, logprobs: list[TokenLogprob] | None) -> Piece:
+    def of(cls, text: str, choice: int, logprobs: list[TokenLogprob] | None) -> Piece:
         piece = cls(text)
-        piece.index, piece.logprobs = index, logprobs
+        piece.choice, piece.logprobs = choice, logprobs
         return piece
 
 

@@ -104,7 +104,7 @@ def test_streamed_pieces_carry_their_choice_and_the_results_logprobs(tiny_engine
     items = list(tiny_engine.stream_result(QUESTION, docs, n=3, temperature=0.9, seed=3, logprobs=2))
     result, pieces = items[-1], items[:-1]
     for index, choice in enumerate(result.choices):
-        mine = [p for p in pieces if p.index == index]
+        mine = [p for p in pieces if p.choice == index]
         assert "".join(mine) == choice.text
         assert [e for p in mine for e in p.logprobs] == choice.logprobs
     plain = tiny_engine.generate(QUESTION, docs, n=3, temperature=0.9, seed=3, logprobs=2)

@@ -3,6 +3,7 @@ tool-call deltas with their tokens' logprobs, and its closing finish reason."""
 
 from __future__ import annotations
 
+from ..choices import Piece
 from . import logprobs
 from .protocol import Call, chunk
 from .tool_calls import CallStream, stream_end
@@ -27,7 +28,7 @@ class Streams:
         return [self._chunk(role=True, index=i) for i in range(self.n)] if self.call.kind == "chat" else []
 
     def piece(self, piece: str) -> list[dict]:
-        index, entries = getattr(piece, "index", 0), getattr(piece, "logprobs", None)
+        index, entries = (piece.choice, piece.logprobs) if isinstance(piece, Piece) else (0, None)
         deltas = self.calls[index].feed(piece) if self.calls else [piece] if piece else []
         events = [self._chunk(delta, index=index) for delta in deltas]
         if entries is not None:
