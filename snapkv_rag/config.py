@@ -277,3 +277,5 @@ __all__ = [
     "CompressionConfig",
     "COMPRESSION_CONFIGS",
 ]
+
+MAX_N, MAX_LOGPROBS = 16, 20  # answers per request; alternatives reported per token

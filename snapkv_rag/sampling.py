@@ -28,7 +28,7 @@ _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never overflows.
 _MIX_A, _MIX_B = 0x7FEB352D, 0x5BD1E995
 _WEYL = 0x9E3779B1  # spaces consecutive token indices apart before they are mixed
-MAX_N, MAX_LOGPROBS = 16, 20  # answers per request; alternatives reported per token
+from .config import MAX_LOGPROBS, MAX_N  # noqa: E402,F401 - answers per request; alternatives per token
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ entries only); concatenated, they are the plain response's."""
 
 from __future__ import annotations
 
-from ..sampling import MAX_LOGPROBS, MAX_N
+from ..config import MAX_LOGPROBS, MAX_N
 from .errors import bad, typed
 
 
