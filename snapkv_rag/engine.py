@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
 
-from . import attention, cited, compare as comparing, loading, prefix_cache, structured
+from . import attention, cited, compare as comparing, doc_store, loading, prefix_cache, structured
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
 from .prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
 from .results import GenerationResult, Timings, finish_result
@@ -52,7 +52,7 @@ def check_config(snapkv: Any):
     return snapkv
 
 
-class SnapKVLLM:
+class SnapKVLLM(doc_store.DocumentsAPI):
     """A local causal LM that answers over retrieved documents from a SnapKV-compressed cache.
 
     >>> llm = SnapKVLLM()                                  # the embedded SmolLM2-135M-Instruct
@@ -70,7 +70,8 @@ class SnapKVLLM:
     at most (1: one at a time); ``max_kv_bytes`` bounds their caches (approximately); more requests
     wait in arrival order. ``prefix_cache_bytes`` bounds the document prefix cache (default 1 GiB,
     0: none), shared by every caller of this engine: a prompt whose instruction + documents were
-    prefilled before prefills only its question (:mod:`snapkv_rag.prefix_cache`).
+    prefilled before prefills only its question (:mod:`snapkv_rag.prefix_cache`). ``doc_store_bytes``
+    bounds the store of compressed document sets (:meth:`index_documents`, :mod:`snapkv_rag.doc_store`).
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str | None = None,
@@ -78,7 +79,7 @@ class SnapKVLLM:
                  snapkv: Any = SnapKVConfig(), max_new_tokens: int | None = None, instruction: str = DEFAULT_INSTRUCTION,
                  trust_remote_code: bool = False, prefill_chunk: int | None = 4096, compile: bool | str = False,
                  max_batch: int = 16, max_kv_bytes: int | None = None,
-                 prefix_cache_bytes: int = prefix_cache.DEFAULT_BYTES):
+                 prefix_cache_bytes: int = prefix_cache.DEFAULT_BYTES, doc_store_bytes: int = doc_store.DEFAULT_BYTES):
         if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, "
                              f"got {attn_implementation!r}")
@@ -109,7 +110,7 @@ class SnapKVLLM:
         self.attn_implementation = attention.resolve_implementation(self.model, attn_implementation)
         eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
-        self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
+        self.prefix_cache, self.doc_store = prefix_cache.PrefixCache(prefix_cache_bytes), doc_store.DocStore(doc_store_bytes)
         self.runner = Runner(self.model, eos_ids=frozenset(eos), pad_id=pad, base=self.attn_implementation,
                              prefill_chunk=prefill_chunk, compile=compile, prefix_cache=self.prefix_cache)
         self.runner.repeat_ids = tuple(self.tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
@@ -148,8 +149,11 @@ class SnapKVLLM:
         if cite not in cited.CITE_MODES:
             cited.check_cite(cite, ())
         instruction = cited.CITE_INSTRUCTION if cite == "json" else self.instruction
-        request = encode_request(self.tokenizer, self._messages(question_or_messages), documents, instruction,
-                                 tools)
+        handle = doc_store.handle_of(self, documents)  # a stored document set: its documents, then its cache
+        request = encode_request(self.tokenizer, self._messages(question_or_messages),
+                                 handle.documents if handle else documents, instruction, tools)
+        if handle is not None:
+            doc_store.bind(request, handle)
         request.cite = cited.check_cite(cite, request.documents)
         return request
 
@@ -307,6 +311,7 @@ class SnapKVLLM:
         if not all(isinstance(s, str) for s in stop):
             raise TypeError("stop: expected a string or a list of strings")
         config = self.default_snapkv if "snapkv" not in options else check_config(options["snapkv"])
+        doc_store.check_options(options, requests)
         for request in requests:
             total = len(request.input_ids) + sampling.max_new_tokens
             if total > self.context_window:
@@ -318,6 +323,7 @@ class SnapKVLLM:
     def _submit(self, request: Request, sampling: SamplingOptions, stop: list[str], config, loop=None) -> Ticket:
         """Hand one checked request to the scheduler; a budget share is of this prompt's length, and
         a document-aware method gets this prompt's document spans."""
+        config = self.doc_store.used(request.stored) if request.stored is not None else config
         if config is not None:
             config = config.for_prompt(len(request.input_ids)).with_spans(request.spans)
         return self.scheduler.submit(request, sampling, stop, config, loop)

@@ -210,7 +210,9 @@ class Scheduler:
 
     def _prefill(self, job: Job) -> tuple[Compressed, torch.Tensor, float]:
         """The request's compressed cache, its prompt's next-token logits ``[1, V]`` and the prefill time."""
-        if job.group is None:
+        if job.request.stored is not None and job.group is None:  # only the tail, over a stored document set
+            pre = self.runner.prefill_stored(job.request.stored, job.request.input_ids)
+        elif job.group is None:
             ids = job.request.input_ids
             pre = self.runner.prefill([ids], {"": job.config}, prefix_cache.boundary(ids, job.request.spans))
         else:
