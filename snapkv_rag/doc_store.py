@@ -79,14 +79,17 @@ def method_from_json(data: dict | None):
 
 
 def identity(llm) -> dict:
-    """What a stored cache is valid for: the model (name, config, dtype), the tokenizer and the library."""
+    """What a stored cache is valid for: the model (name, config, a fingerprint of its first and last
+    weights, dtype), the tokenizer (vocabulary, chat template) and the library version."""
     cached = getattr(llm, "_doc_identity", None)
     if cached is None:
         config = llm.model.config.to_dict()
         config.pop("_name_or_path", None)
         tok = llm.tokenizer
         vocab = sorted(tok.get_vocab().items()) if hasattr(tok, "get_vocab") else []
-        cached = {"model": str(llm.model_name), "model_hash": _digest(config),
+        params = (next(llm.model.parameters()), list(llm.model.parameters())[-1])
+        weights = hashlib.sha256(b"".join(p.detach().flatten()[:4096].float().cpu().numpy().tobytes() for p in params))
+        cached = {"model": str(llm.model_name), "model_hash": _digest([config, weights.hexdigest()]),
                   "dtype": str(next(llm.model.parameters()).dtype).removeprefix("torch."),
                   "tokenizer_hash": _digest([vocab, getattr(tok, "chat_template", None)]), "library": __version__}
         llm._doc_identity = cached
