@@ -148,7 +148,8 @@ class Stored:
 @dataclass
 class DocStoreStats:
     """Counters of a :class:`DocStore` (a snapshot): a hit is a question answered from a stored
-    cache, ``tokens_saved`` the prefix tokens those questions did not prefill."""
+    cache, ``tokens_saved`` the prefix tokens those questions did not prefill, a miss a document
+    set compressed because the store did not hold it (first indexing, or after its eviction)."""
 
     hits: int = 0
     misses: int = 0
@@ -308,6 +309,8 @@ def index(llm, documents: Sequence[DocumentLike], method) -> DocumentSet:
     probe = llm.request(PLACEHOLDER, documents)
     at = prefix_cache.boundary(probe.input_ids, probe.spans)
     found = at is not None and llm.doc_store.get(entry_key(identity(llm), method, probe.input_ids[:at]))
+    if not found:
+        llm.doc_store.missed()
     entry = found or build(llm, documents, method)
     llm.doc_store.put(entry)
     return DocumentSet(llm, entry)

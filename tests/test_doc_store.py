@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import httpx
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from snapkv_rag.compression import key_norm_select
 from snapkv_rag.doc_store import DocumentSet
 
 from families import tiny_model as family_model
+from server_testing import running_server
 from snapkv_testing import filler_documents, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,7 +72,7 @@ def test_questions_hit_the_store_and_later_questions_are_the_same(llm):
     assert [llm.generate(q, handle).text for q in QUESTIONS] == first
     assert "".join(handle.stream(QUESTIONS[0])) == first[0]
     stats = llm.doc_stats()
-    assert (stats.hits, stats.misses, stats.stored, stats.entries) == (7, 0, 1, 1)
+    assert (stats.hits, stats.misses, stats.stored, stats.entries) == (7, 1, 1, 1)
     assert stats.tokens_saved == 7 * handle.prompt_tokens
 
 
@@ -119,7 +121,7 @@ def test_lru_eviction_by_bytes_is_counted_and_a_handle_survives_it(tiny_model, t
     assert (stats.evicted, stats.entries, llm.doc_store.keys()) == (1, 1, [b.key])
     assert stats.bytes_used <= stats.max_bytes
     assert a.generate(QUESTIONS[0]).text == answer  # indexed again, counted as a miss
-    assert llm.doc_stats().misses == 1 and llm.doc_stats().evicted == 2
+    assert llm.doc_stats().misses == 3 and llm.doc_stats().evicted == 2
 
 
 def test_save_load_round_trip_and_overwrite_rule(llm, tiny_model, tokenizer, tmp_path):
@@ -178,3 +180,27 @@ def test_sliding_and_recurrent_models_are_refused(family, tokenizer):
     llm = SnapKVLLM(model=family_model(family, len(tokenizer)), tokenizer=tokenizer)
     with pytest.raises(ValueError, match="index_documents: layer .* full-attention layers only"):
         llm.index_documents(DOCS, method=HALF)
+
+
+def test_server_reuses_stored_caches_by_content(llm):
+    """A query-agnostic request over documents seen before runs over their stored cache: same
+    answer as over a handle, counted in /metrics; a SnapKV request over them does not use it."""
+    with running_server(llm, max_documents=8) as (url, _):
+        def ask(question, docs=DOCS, snapkv=None):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": question}], "documents": docs,
+                    "max_tokens": 6, "snapkv": snapkv or {"method": "keynorm", "budget": "50%", "window_size": 8}}
+            return httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+
+        answers = [ask(q) for q in QUESTIONS]
+        ask(QUESTIONS[0], filler_documents(3))
+        snapkv = ask(QUESTIONS[0], snapkv={"method": "snapkv", "budget": 128, "window_size": 8})
+        metrics = httpx.get(url + "/metrics").text
+    handle = llm.index_documents(DOCS, method=HALF)
+    assert [a["choices"][0]["message"]["content"] for a in answers] == [handle.generate(q, max_new_tokens=6).text
+                                                                       for q in QUESTIONS]
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers] == [handle.prompt_tokens] * 3
+    assert snapkv["snapkv"]["compression"]["method"] == "snapkv"
+    assert "snapkv_rag_doc_store_hits 4.0" in metrics and "snapkv_rag_doc_store_misses 2.0" in metrics
+    saved = 3 * handle.prompt_tokens + llm.index_documents(filler_documents(3), method=HALF).prompt_tokens
+    assert f"snapkv_rag_doc_store_tokens_saved {float(saved)}" in metrics
+    assert "snapkv_rag_doc_store_entries 2.0" in metrics
