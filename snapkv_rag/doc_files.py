@@ -88,7 +88,8 @@ def load(llm, path) -> Stored:
             raw = (f.metadata() or {}).get(META)
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, RuntimeError, ValueError) as error:
-        raise ValueError(f"path: {path} is not a readable document cache file (corrupt or truncated: {error})") from error
+        raise ValueError(f"path: {path} is not a readable document cache file (corrupt or truncated: "
+                         f"{error})") from error
     try:
         meta = json.loads(raw) if raw is not None else None
     except ValueError:
@@ -111,6 +112,7 @@ def load(llm, path) -> Stored:
     layers = [None] * int(meta["layers"])
     for i in range(len(layers)):
         if f"layer.{i}.keys" in tensors:
-            layers[i] = LayerKV(*(tensors[f"layer.{i}.{part}"][None].to(device) for part in ("keys", "values", "positions")))
+            parts = (tensors[f"layer.{i}.{part}"][None].to(device) for part in ("keys", "values", "positions"))
+            layers[i] = LayerKV(*parts)
     documents = tuple(Document(text=d["text"], title=d["title"], id=d["id"]) for d in meta["documents"])
     return Stored(meta["key"], ids, tuple(layers), method, documents, meta["instruction"])

@@ -316,25 +316,29 @@ def index(llm, documents: Sequence[DocumentLike], method) -> DocumentSet:
     return DocumentSet(llm, entry)
 
 
-def bind(request, handle: DocumentSet) -> None:
-    """Let ``request`` (built over ``handle``'s documents) run on the stored cache: its tokens
-    before the question must be the stored ones."""
+def bind(request, handle):
+    """``request`` (built over ``handle``'s documents) set to run on the stored cache: its tokens
+    before the question must be the stored ones. Without a handle, ``request`` as it is."""
+    if not isinstance(handle, DocumentSet):
+        return request
     entry = handle.entry()
     if tuple(request.input_ids[: entry.length]) != entry.ids or len(request.input_ids) <= entry.length:
         raise ValueError("documents: this prompt does not start with the stored documents' tokens (a conversation "
                          "with earlier turns or a system message, or cite='json', changes what comes before the "
                          "question); ask a single question over the handle, or index the documents for that prompt")
     request.stored = entry
+    return request
 
 
-def handle_of(llm, documents) -> DocumentSet | None:
-    """``documents`` if it is a handle of ``llm``'s (a handle of another engine: a clear error)."""
+def documents_of(llm, documents):
+    """The documents of a handle of ``llm``'s (a handle of another engine: a clear error), or
+    ``documents`` as they are."""
     if not isinstance(documents, DocumentSet):
-        return None
+        return documents
     if documents.llm is not llm and identity(documents.llm) != identity(llm):
         raise ValueError("documents: this document handle was made by another model or tokenizer "
                          f"({identity(documents.llm)['model']}); index the documents with this engine")
-    return documents
+    return documents.documents
 
 
 def check_options(options: dict, requests) -> None:

@@ -68,18 +68,17 @@ class SnapKVLLM(doc_store.DocumentsAPI):
     long prompt in slices of that many tokens; ``compile=True`` (or a ``torch.compile`` mode name)
     decodes from fixed-size buffers through a compiled step. ``max_batch`` requests decode together
     at most (1: one at a time); ``max_kv_bytes`` bounds their caches (approximately); more requests
-    wait in arrival order. ``prefix_cache_bytes`` bounds the document prefix cache (default 1 GiB,
-    0: none), shared by every caller of this engine: a prompt whose instruction + documents were
-    prefilled before prefills only its question (:mod:`snapkv_rag.prefix_cache`). ``doc_store_bytes``
-    bounds the store of compressed document sets (:meth:`index_documents`, :mod:`snapkv_rag.doc_store`).
+    wait in arrival order. ``prefix_cache_bytes`` bounds the document prefix cache (1 GiB, 0: none)
+    shared by every caller: a prompt whose instruction + documents were prefilled before prefills only
+    its question; ``doc_store_bytes`` the compressed document sets' store (:meth:`index_documents`).
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, attn_implementation: str | None = None,
                  snapkv: Any = SnapKVConfig(), max_new_tokens: int | None = None, instruction: str = DEFAULT_INSTRUCTION,
                  trust_remote_code: bool = False, prefill_chunk: int | None = 4096, compile: bool | str = False,
-                 max_batch: int = 16, max_kv_bytes: int | None = None,
-                 prefix_cache_bytes: int = prefix_cache.DEFAULT_BYTES, doc_store_bytes: int = doc_store.DEFAULT_BYTES):
+                 max_batch: int = 16, max_kv_bytes: int | None = None, doc_store_bytes: int = doc_store.DEFAULT_BYTES,
+                 prefix_cache_bytes: int = prefix_cache.DEFAULT_BYTES):
         if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, "
                              f"got {attn_implementation!r}")
@@ -110,7 +109,8 @@ class SnapKVLLM(doc_store.DocumentsAPI):
         self.attn_implementation = attention.resolve_implementation(self.model, attn_implementation)
         eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
-        self.prefix_cache, self.doc_store = prefix_cache.PrefixCache(prefix_cache_bytes), doc_store.DocStore(doc_store_bytes)
+        self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
+        self.doc_store = doc_store.DocStore(doc_store_bytes)
         self.runner = Runner(self.model, eos_ids=frozenset(eos), pad_id=pad, base=self.attn_implementation,
                              prefill_chunk=prefill_chunk, compile=compile, prefix_cache=self.prefix_cache)
         self.runner.repeat_ids = tuple(self.tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
@@ -149,11 +149,9 @@ class SnapKVLLM(doc_store.DocumentsAPI):
         if cite not in cited.CITE_MODES:
             cited.check_cite(cite, ())
         instruction = cited.CITE_INSTRUCTION if cite == "json" else self.instruction
-        handle = doc_store.handle_of(self, documents)  # a stored document set: its documents, then its cache
         request = encode_request(self.tokenizer, self._messages(question_or_messages),
-                                 handle.documents if handle else documents, instruction, tools)
-        if handle is not None:
-            doc_store.bind(request, handle)
+                                 doc_store.documents_of(self, documents), instruction, tools)
+        request = doc_store.bind(request, documents)  # over a stored document set: its cache
         request.cite = cited.check_cite(cite, request.documents)
         return request
 

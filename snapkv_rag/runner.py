@@ -134,7 +134,7 @@ class Runner:
         cache = PromptCache(self.model.config, self.specs, prefix)
         cache.capture = capture
         positions = (batch.mask.cumsum(-1) - 1).clamp(min=0) + skip
-        sliced = attention.sliced_mlps(self.model, self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
+        sliced = self._sliced()
         lengths = [length + skip for length in batch.lengths]
         if reread:  # one prompt, and its re-read after it in the same pass
             batch = Batch.of([prompts[0] + reread], self.pad_id, self.device)
@@ -160,14 +160,17 @@ class Runner:
         cache.compress = tail_hook(cache, stored, len(ids))
         tail = torch.tensor([ids[stored.length:]], device=self.device)
         positions = torch.arange(stored.length, len(ids), device=self.device)[None]
-        sliced = attention.sliced_mlps(self.model, self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
-        with self.lock, torch.inference_mode(), sliced:
+        with self.lock, torch.inference_mode(), self._sliced():
             logits = self._forward(tail, None, positions, cache)
         compressed = Compressed(stored.config, self.specs, cache.compress.layers, len(ids))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return Prefilled(compressed={"": [compressed]}, logits=logits, prefill_s=time.perf_counter() - start,
                          cached_tokens=stored.length)
+
+    def _sliced(self):
+        """The MLPs run over a long prompt in slices of ``prefill_chunk`` tokens (while open)."""
+        return attention.sliced_mlps(self.model, self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
 
     def _prefix_plan(self, prompts, methods, boundary):
         """``(prefix to reuse, capture to fill)`` for a prefill: at most one of them, or neither."""
