@@ -28,7 +28,6 @@ Only plain full-attention models: sliding-window, latent and recurrent / hybrid 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import json
@@ -41,6 +40,7 @@ import torch
 from . import __version__, prefix_cache
 from .cache import FULL, NONE, LayerKV
 from .config import KeyNormConfig, KVzipConfig, RandomConfig, StreamingLLMConfig
+from .lru import ByteLRU
 from .prompts import Document, DocumentLike
 
 DEFAULT_BYTES = 1 << 30
@@ -145,20 +145,10 @@ class Stored:
                    for t in (kv.keys, kv.values, kv.positions))
 
 
-@dataclass
-class DocStoreStats:
+class DocStoreStats(prefix_cache.PrefixStats):
     """Counters of a :class:`DocStore` (a snapshot): a hit is a question answered from a stored
     cache, ``tokens_saved`` the prefix tokens those questions did not prefill, a miss a document
     set compressed because the store did not hold it (first indexing, or after its eviction)."""
-
-    hits: int = 0
-    misses: int = 0
-    tokens_saved: int = 0
-    stored: int = 0
-    evicted: int = 0
-    entries: int = 0
-    bytes_used: int = 0
-    max_bytes: int = 0
 
 
 class DocStore:
@@ -169,18 +159,14 @@ class DocStore:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"doc_store_bytes: must be a number of bytes >= 0 (0: nothing kept), got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self._entries: collections.OrderedDict[str, Stored] = collections.OrderedDict()
-        self._bytes = 0
+        self._lru = ByteLRU(max_bytes, lambda entry: entry.nbytes)
         self._lock = threading.Lock()
         self._counts = DocStoreStats()
 
     def get(self, key: str) -> Stored | None:
         """The entry of ``key`` (then the most recently used), or ``None``; counts nothing."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-            return entry
+            return self._lru.get(key)
 
     def used(self, entry: Stored):
         """Count a question answered from ``entry``; returns the method it runs (the entry's)."""
@@ -197,31 +183,16 @@ class DocStore:
         """Keep ``entry``, evicting least recently used entries until it fits (each counted); an
         entry larger than the whole store is not kept. A key already held keeps its entry (equal keys:
         equal contents)."""
-        size = entry.nbytes
         with self._lock:
-            if entry.key in self._entries:
-                self._entries.move_to_end(entry.key)
-                return True
-            if size > self.max_bytes:
-                return False
-            while self._entries and self._bytes + size > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= old.nbytes
-                self._counts.evicted += 1
-            self._entries[entry.key] = entry
-            self._bytes += size
-            self._counts.stored += 1
-            return True
+            return self._lru.get(entry.key) is not None or self._lru.put(entry.key, entry)
 
     def keys(self) -> list[str]:
         with self._lock:
-            return list(self._entries)
+            return list(self._lru.entries)
 
     def stats(self) -> DocStoreStats:
         with self._lock:
-            c = self._counts
-            return DocStoreStats(c.hits, c.misses, c.tokens_saved, c.stored, c.evicted, len(self._entries),
-                                 self._bytes, self.max_bytes)
+            return self._counts.snapshot(self._lru)
 
 
 def unsupported(llm) -> str | None:
