@@ -17,8 +17,6 @@ cache's bytes of the documents; writes ``results/doc_store.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from prefix_cache import document_set, first_token  # noqa: E402
+from prefix_cache import document_set, first_token, later_figures, write  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,22 +67,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Q{i} {r['prompt_tokens']} tokens ({r['stored_tokens']} stored): first token {ttft_full:.3f} s full "
               f"prefill, {ttft_stored:.3f} s over the stored set ({r['ratio']:.2f}x); same answer: {r['same_answer']}",
               flush=True)
-    later = [r["ratio"] for r in rows[1:]]
     summary = {"questions": len(rows), "documents": len(documents), "prompt_tokens": rows[0]["prompt_tokens"],
                "stored_prefix_tokens": handle.prompt_tokens, "method": f"keynorm ratio={args.ratio}",
                "max_new_tokens": args.max_new_tokens, "model": Path(stored.model_name).name, "index_s": index_s,
                "stored_bytes": handle.kept_bytes, "full_bytes": handle.full_bytes,
-               "stored_share": handle.kept_bytes / handle.full_bytes,
-               "ratio_later_median": statistics.median(later) if later else None,
-               "ratio_later_min": min(later) if later else None,
-               "differing_answers": sum(not r["same_answer"] for r in rows),
+               "stored_share": handle.kept_bytes / handle.full_bytes, **later_figures(rows),
                "doc_store": vars(stored.doc_stats()), "quick": args.quick}
     print(f"questions 2-{len(rows)}: first token {summary['ratio_later_median']:.2f}x sooner over the stored set "
           f"(median; least {summary['ratio_later_min']:.2f}x); stored {summary['stored_share']:.3f} of the full "
           f"cache's bytes; answers differing from the per-question key-norm run: {summary['differing_answers']} "
           f"of {len(rows)}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+    write(args.out, summary, rows)
     return 0
 
 
