@@ -96,19 +96,27 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(f"Q{i} {r['prompt_tokens']} tokens ({r['cached_tokens']} cached): first token {ttft_plain:.3f} s "
               f"without, {ttft_cached:.3f} s with ({r['ratio']:.2f}x); same answer: {r['same_answer']}", flush=True)
-    later = [r["ratio"] for r in rows[1:]]
     summary = {"questions": len(rows), "documents": len(documents), "prompt_tokens": rows[0]["prompt_tokens"],
-               "max_new_tokens": args.max_new_tokens, "model": Path(cached.model_name).name,
-               "ratio_later_median": statistics.median(later) if later else None,
-               "ratio_later_min": min(later) if later else None,
-               "differing_answers": sum(not r["same_answer"] for r in rows),
+               "max_new_tokens": args.max_new_tokens, "model": Path(cached.model_name).name, **later_figures(rows),
                "prefix_cache": vars(cached.prefix_stats()), "quick": args.quick}
     print(f"questions 2-{len(rows)}: first token {summary['ratio_later_median']:.2f}x sooner with the prefix cache "
           f"(median; least {summary['ratio_later_min']:.2f}x); differing answers: {summary['differing_answers']} "
           f"of {len(rows)}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+    write(args.out, summary, rows)
     return 0
+
+
+def later_figures(rows: list[dict]) -> dict:
+    """Questions 2 and later: the median and least time-to-first-token ratio; answers that differ."""
+    later = [r["ratio"] for r in rows[1:]]
+    return {"ratio_later_median": statistics.median(later) if later else None,
+            "ratio_later_min": min(later) if later else None,
+            "differing_answers": sum(not r["same_answer"] for r in rows)}
+
+
+def write(out: Path, summary: dict, rows: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

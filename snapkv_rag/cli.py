@@ -200,9 +200,10 @@ def cmd_serve(args) -> int:
         _check_new_tokens(args)
         engine = {"model": args.model, "device": args.device, "dtype": args.dtype, "snapkv": config,
                   "max_new_tokens": args.max_new_tokens, "max_batch": args.max_batch,
-                  "prefix_cache_bytes": args.prefix_cache_bytes}
+                  "prefix_cache_bytes": args.prefix_cache_bytes, "doc_store_bytes": args.doc_store_bytes}
         return replicas.run(engine, serve_options.settings(args, key, DEFAULT_MODEL_NAME, config, base), args)
-    llm = _engine(args, config, max_batch=args.max_batch, prefix_cache_bytes=args.prefix_cache_bytes)
+    llm = _engine(args, config, max_batch=args.max_batch, prefix_cache_bytes=args.prefix_cache_bytes,
+                  doc_store_bytes=args.doc_store_bytes)
     return serve_options.run(llm, serve_options.settings(args, key, llm.model_name, config, base), args)
 
 

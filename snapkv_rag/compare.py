@@ -104,6 +104,9 @@ def compare(scheduler: Scheduler, request: Request, methods: Mapping[str, Any], 
     decode as rows of one batch (else one after another, each with its own decode timings)."""
     if options.n != 1:
         raise ValueError(f"n: compare gives one answer per method, got n={options.n}; call generate with n per method")
+    if request.stored is not None:
+        raise ValueError("documents: compare runs every method over the documents themselves; pass the documents, "
+                         "not a document handle (its cache was compressed once, with one method)")
     full_names = [name for name, config in methods.items() if config is None]
     record = hit_rate and len(full_names) < len(methods)
     caches = {FULL: None, **methods} if record and not full_names else dict(methods)

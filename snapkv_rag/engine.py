@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
 
-from . import attention, choices, cited, compare as comparing, loading, prefix_cache, structured
+from . import attention, choices, cited, compare as comparing, doc_store, loading, prefix_cache, structured
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
 from .prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
 from .results import GenerationResult, Timings, finish_result
@@ -52,7 +52,7 @@ def check_config(snapkv: Any):
     return snapkv
 
 
-class SnapKVLLM:
+class SnapKVLLM(doc_store.DocumentsAPI):
     """A local causal LM that answers over retrieved documents from a SnapKV-compressed cache.
 
     >>> llm = SnapKVLLM()                                  # the embedded SmolLM2-135M-Instruct
@@ -68,16 +68,16 @@ class SnapKVLLM:
     long prompt in slices of that many tokens; ``compile=True`` (or a ``torch.compile`` mode name)
     decodes from fixed-size buffers through a compiled step. ``max_batch`` requests decode together
     at most (1: one at a time); ``max_kv_bytes`` bounds their caches (approximately); more requests
-    wait in arrival order. ``prefix_cache_bytes`` bounds the document prefix cache (default 1 GiB,
-    0: none), shared by every caller of this engine: a prompt whose instruction + documents were
-    prefilled before prefills only its question (:mod:`snapkv_rag.prefix_cache`).
+    wait in arrival order. ``prefix_cache_bytes`` bounds the document prefix cache (1 GiB, 0: none)
+    shared by every caller: a prompt whose instruction + documents were prefilled before prefills only
+    its question; ``doc_store_bytes`` the compressed document sets' store (:meth:`index_documents`).
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, attn_implementation: str | None = None,
                  snapkv: Any = SnapKVConfig(), max_new_tokens: int | None = None, instruction: str = DEFAULT_INSTRUCTION,
                  trust_remote_code: bool = False, prefill_chunk: int | None = 4096, compile: bool | str = False,
-                 max_batch: int = 16, max_kv_bytes: int | None = None,
+                 max_batch: int = 16, max_kv_bytes: int | None = None, doc_store_bytes: int = doc_store.DEFAULT_BYTES,
                  prefix_cache_bytes: int = prefix_cache.DEFAULT_BYTES):
         if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, "
@@ -110,6 +110,7 @@ class SnapKVLLM:
         eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
         self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
+        self.doc_store = doc_store.DocStore(doc_store_bytes)
         self.runner = Runner(self.model, eos_ids=frozenset(eos), pad_id=pad, base=self.attn_implementation,
                              prefill_chunk=prefill_chunk, compile=compile, prefix_cache=self.prefix_cache)
         self.runner.repeat_ids = tuple(self.tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
@@ -126,10 +127,6 @@ class SnapKVLLM:
     def stats(self) -> SchedulerStats:
         """Requests waiting and decoding now, the batch limit, and totals so far."""
         return self.scheduler.stats()
-
-    def prefix_stats(self) -> prefix_cache.PrefixStats:
-        """The prefix cache's hits, misses, tokens saved and bytes used."""
-        return self.prefix_cache.stats()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -148,8 +145,9 @@ class SnapKVLLM:
         if cite not in cited.CITE_MODES:
             cited.check_cite(cite, ())
         instruction = cited.CITE_INSTRUCTION if cite == "json" else self.instruction
-        request = encode_request(self.tokenizer, self._messages(question_or_messages), documents, instruction,
-                                 tools)
+        request = encode_request(self.tokenizer, self._messages(question_or_messages),
+                                 doc_store.documents_of(self, documents), instruction, tools)
+        request = doc_store.bind(request, documents)  # over a stored document set: its cache
         request.cite = cited.check_cite(cite, request.documents)
         return request
 
@@ -308,6 +306,7 @@ class SnapKVLLM:
         if not all(isinstance(s, str) for s in stop):
             raise TypeError("stop: expected a string or a list of strings")
         config = self.default_snapkv if "snapkv" not in options else check_config(options["snapkv"])
+        doc_store.check_options(options, requests)
         for request in requests:
             total = len(request.input_ids) + sampling.max_new_tokens
             if total > self.context_window:
@@ -319,6 +318,7 @@ class SnapKVLLM:
     def _submit(self, request: Request, sampling: SamplingOptions, stop: list[str], config, loop=None) -> Ticket:
         """Hand one checked request to the scheduler; a budget share is of this prompt's length, and
         a document-aware method gets this prompt's document spans."""
+        config = self.doc_store.used(request.stored) if request.stored is not None else config
         if config is not None:
             config = config.for_prompt(len(request.input_ids)).with_spans(request.spans)
         return self.scheduler.submit(request, sampling, stop, config, loop)

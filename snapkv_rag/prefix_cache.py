@@ -25,7 +25,6 @@ used first out; one lock makes it safe for every caller of one engine.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ import torch
 
 from .config import H2OConfig, SnapKVConfig
 from .layer_kinds import FULL, NONE, SLIDING, LayerSpec
+from .lru import ByteLRU
 
 log = logging.getLogger("snapkv_rag")
 
@@ -89,6 +89,11 @@ class PrefixStats:
     bytes_used: int = 0
     max_bytes: int = 0
 
+    def snapshot(self, lru: ByteLRU) -> PrefixStats:
+        """These counters with ``lru``'s puts, evictions, entries and bytes (a copy)."""
+        return type(self)(self.hits, self.misses, self.tokens_saved, lru.stored, lru.evicted, len(lru.entries),
+                          lru.bytes, lru.max_bytes)
+
 
 def boundary(input_ids: Sequence[int], spans) -> int | None:
     """The prefix length of a prompt: the tokens before its question (``spans.question``, counted
@@ -128,8 +133,8 @@ class PrefixCache:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"prefix_cache_bytes: must be a number of bytes >= 0 (0 disables), got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self._entries: collections.OrderedDict[tuple[int, ...], Prefix] = collections.OrderedDict()
-        self._bytes = 0
+        self._lru = ByteLRU(max_bytes, lambda prefix: prefix.nbytes)
+        self._entries = self._lru.entries  # token ids -> Prefix, least recently used first
         self._lock = threading.Lock()
         self._counts = PrefixStats()
         self._said: set[str] = set()
@@ -162,32 +167,16 @@ class PrefixCache:
     def store(self, prefix: Prefix) -> bool:
         """Keep ``prefix`` (its tensors must be its own: clones), evicting the least recently used
         entries until it fits; one larger than the whole cache is not kept."""
-        size = prefix.nbytes
         with self._lock:
-            if size > self.max_bytes:
-                return False
-            old = self._entries.pop(prefix.ids, None)
-            if old is not None:
-                self._bytes -= old.nbytes
-            while self._entries and self._bytes + size > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nbytes
-                self._counts.evicted += 1
-            self._entries[prefix.ids] = prefix
-            self._bytes += size
-            self._counts.stored += 1
-            return True
+            return self._lru.put(prefix.ids, prefix)
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
-            self._bytes = 0
+            self._lru.clear()
 
     def stats(self) -> PrefixStats:
         with self._lock:
-            c = self._counts
-            return PrefixStats(c.hits, c.misses, c.tokens_saved, c.stored, c.evicted, len(self._entries), self._bytes,
-                               self.max_bytes)
+            return self._counts.snapshot(self._lru)
 
     def say_once(self, reason: str) -> None:
         """Log once per reason why a prompt was prefilled whole."""

@@ -37,6 +37,7 @@ import torch
 from . import attention, prefix_cache
 from .cache import Compressed, PromptCache, compressing, layer_specs
 from .config import KVzipConfig
+from .doc_store import tail_hook
 from .prefix_cache import PrefixCache
 from .slots import SlotCache
 
@@ -133,7 +134,7 @@ class Runner:
         cache = PromptCache(self.model.config, self.specs, prefix)
         cache.capture = capture
         positions = (batch.mask.cumsum(-1) - 1).clamp(min=0) + skip
-        sliced = attention.sliced_mlps(self.model, self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
+        sliced = self._sliced()
         lengths = [length + skip for length in batch.lengths]
         if reread:  # one prompt, and its re-read after it in the same pass
             batch = Batch.of([prompts[0] + reread], self.pad_id, self.device)
@@ -148,6 +149,28 @@ class Runner:
             torch.cuda.synchronize(self.device)  # prefill time is wall time of the work, not its launch
         return Prefilled(compressed=compressed, logits=logits, prefill_s=time.perf_counter() - start,
                          cached_tokens=skip)
+
+    def prefill_stored(self, stored, ids: list[int]) -> Prefilled:
+        """Run only ``ids[stored.length:]`` (the tail of a prompt over a stored compressed document
+        set, :mod:`snapkv_rag.doc_store`) on top of the stored kept K/V, at the positions the tail has
+        in the whole prompt; the tail is kept whole (``doc_store.tail_hook``)."""
+        self.attach()
+        start = time.perf_counter()
+        cache = PromptCache(self.model.config, self.specs, stored)
+        cache.compress = tail_hook(cache, stored, len(ids))
+        tail = torch.tensor([ids[stored.length:]], device=self.device)
+        positions = torch.arange(stored.length, len(ids), device=self.device)[None]
+        with self.lock, torch.inference_mode(), self._sliced():
+            logits = self._forward(tail, None, positions, cache)
+        compressed = Compressed(stored.config, self.specs, cache.compress.layers, len(ids))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return Prefilled(compressed={"": [compressed]}, logits=logits, prefill_s=time.perf_counter() - start,
+                         cached_tokens=stored.length)
+
+    def _sliced(self):
+        """The MLPs run over a long prompt in slices of ``prefill_chunk`` tokens (while open)."""
+        return attention.sliced_mlps(self.model, self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
 
     def _prefix_plan(self, prompts, methods, boundary):
         """``(prefix to reuse, capture to fill)`` for a prefill: at most one of them, or neither."""

@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
-import dataclasses
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -85,7 +84,7 @@ class Group:
         """Choice ``index`` is done: once all ``n`` are, choice 0's outcome holding all of them."""
         self.finished[index] = outcome
         done = len(self.finished) == self.n
-        return dataclasses.replace(self.finished[0], choices=[self.finished[i] for i in range(self.n)]) if done else None
+        return replace(self.finished[0], choices=[self.finished[i] for i in range(self.n)]) if done else None
 
 
 @dataclass
@@ -228,17 +227,19 @@ class Scheduler:
         return needed <= self.max_kv_bytes
 
     def _prefill(self, job: Job) -> tuple[Compressed, torch.Tensor, float]:
-        """The request's compressed cache, its prompt's next-token logits ``[1, V]`` and the prefill time."""
-        if job.group is None:
-            ids = job.request.input_ids
-            pre = self.runner.prefill([ids], {"": job.config}, prefix_cache.boundary(ids, job.request.spans))
+        """The request's compressed cache, its prompt's next-token logits ``[1, V]`` and the prefill
+        time; the jobs of one group (n choices, compared methods) share one prefill."""
+        group, request = job.group, job.request
+        pre = group.prefilled if group is not None else None
+        if pre is None:
+            if request.stored is not None:  # only the tail, over a stored document set
+                pre = self.runner.prefill_stored(request.stored, request.input_ids)
+            else:
+                ids, methods = (request.input_ids, {"": job.config}) if group is None else (group.ids, group.methods)
+                pre = self.runner.prefill([ids], methods, prefix_cache.boundary(ids, request.spans))
             self._totals["prefills"] += 1
-        else:
-            if job.group.prefilled is None:
-                job.group.prefilled = self.runner.prefill([job.group.ids], job.group.methods,
-                                                          prefix_cache.boundary(job.group.ids, job.request.spans))
-                self._totals["prefills"] += 1
-            pre = job.group.prefilled
+            if group is not None:
+                group.prefilled = pre
         job.outcome["cached_tokens"] = pre.cached_tokens
         return pre.compressed[job.name][0], pre.logits, pre.prefill_s
 
@@ -257,7 +258,7 @@ class Scheduler:
             job.constraint = getattr(job.request, "constraint", None)
             job.log = choices.ChoiceLog.of(job.choice, job.sampling, self._texts)
             self._first.set_row(0, job.sampling)
-            token = self.runner.to_host(self._pick(logits.clone(), [job], self._first, 1))[0]
+            token = self.runner.to_host(self._pick(logits.clone(), [job], self._first, 1, choices.wanted([job])))[0]
             if not self._advance(job, token, choices.to_host(self._logprobs).get(0)):
                 return
             if self.slots is None:
@@ -285,10 +286,11 @@ class Scheduler:
         slots = self.slots
         b = slots.batch_rows()
         jobs = [self.running.get(row) for row in range(b)]
+        wanted = choices.wanted(jobs)  # each row's logprobs count, or None
         eager = any(job is not None and job.constraint is not None for job in jobs) or any(
-            k is not None for k in choices.wanted(jobs))  # a grammar, or logprobs: the logits are needed
+            k is not None for k in wanted)  # a grammar, or logprobs: the logits are needed
         kind, self._logprobs = self.sampling.kind(b), None
-        pick = None if kind == GREEDY and not eager else lambda logits: self._pick(logits, jobs, self.sampling, b)
+        pick = None if kind == GREEDY and not eager else lambda logits: self._pick(logits, jobs, self.sampling, b, wanted)
         clock = StepClock(self.runner.device)
         try:
             tokens = self.runner.to_host(self.runner.decode_step(slots, b, pick))
@@ -311,13 +313,14 @@ class Scheduler:
             if not going:
                 self._leave(row)
 
-    def _pick(self, logits: torch.Tensor, jobs: list[Job | None], sampling: SamplingSlots, rows: int) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, jobs: list[Job | None], sampling: SamplingSlots, rows: int,
+              wanted: list[int | None]) -> torch.Tensor:
         """Each row's next token under its own settings (and grammar, if it has one), on the device."""
         constraints = [job.constraint if job is not None else None for job in jobs]
         if any(c is not None for c in constraints):
             structured.apply_masks(logits, constraints)
         tokens = sample(logits, sampling, rows)
-        self._logprobs = choices.on_device(logits, tokens, choices.wanted(jobs))  # masked, before temperature
+        self._logprobs = choices.on_device(logits, tokens, wanted)  # masked, before temperature
         return tokens
 
     def _advance(self, job: Job, token: int, found: tuple | None = None) -> bool:
@@ -381,7 +384,7 @@ def _seeded(sampling: SamplingOptions) -> SamplingOptions:
     """A sampled request's seed fixed once (the clock's, if none was given): its first token and the
     rest of its tokens draw from the same seed, alone or in a batch."""
     if sampling.temperature > 0 and sampling.seed is None:
-        return dataclasses.replace(sampling, seed=time.time_ns() % 2**62)
+        return replace(sampling, seed=time.time_ns() % 2**62)
     return sampling
 
 

@@ -30,6 +30,7 @@ class Request:
     constraint: Any = None
     cite: str = "text"
     spans: PromptSpans | None = None
+    stored: Any = None  # a stored compressed document prefix it runs over (snapkv_rag.doc_store)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from ..engine import ContextLengthError, GenerationOutOfMemoryError
-from . import protocol
+from . import doc_reuse, protocol
 from .metrics import Metrics
 from .protocol import APIError, Call, ServerSettings
 from .streams import Streams
@@ -109,7 +109,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         stats = llm.stats()
         return stats.queued, stats.running
 
-    metrics = Metrics(load, getattr(llm, "prefix_stats", None))
+    metrics = Metrics(load, getattr(llm, "prefix_stats", None), getattr(llm, "doc_stats", None))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -191,7 +191,7 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
 
         try:
             await check_length(call)
-            pieces, first = await start(call)
+            pieces, first = await start(await doc_reuse.over_stored(llm, call))
         except BaseException:
             await release()
             raise

@@ -13,19 +13,24 @@ class Metrics:
     """Queue depth and running batch (read from the engine when scraped), token counters and the
     latency histograms. ``load()`` returns ``(queued, running)``."""
 
-    def __init__(self, load: Callable[[], tuple[int, int]], prefix: Callable[[], Any] | None = None):
+    def __init__(self, load: Callable[[], tuple[int, int]], prefix: Callable[[], Any] | None = None,
+                 documents: Callable[[], Any] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
-        if prefix is not None:  # the engine's prefix cache (a PrefixStats), read when scraped
-            for field, text in (("hits", "Prompts whose document prefix came from the prefix cache"),
-                                ("misses", "Prompts with a document prefix not in the prefix cache"),
-                                ("tokens_saved", "Prompt tokens taken from the prefix cache, not prefilled"),
-                                ("evicted", "Prefixes evicted from the prefix cache (least recently used)"),
-                                ("entries", "Prefixes held in the prefix cache"),
-                                ("bytes_used", "Bytes held by the prefix cache"),
-                                ("max_bytes", "The prefix cache's bound in bytes (0: disabled)")):
-                Gauge(f"snapkv_rag_prefix_cache_{field}", text, registry=r).set_function(
-                    lambda field=field: getattr(prefix(), field))
+        # the engine's prefix cache (a PrefixStats) and document store (a DocStoreStats), read when scraped
+        for stats, name, what in ((prefix, "prefix_cache", "the prefix cache"), (documents, "doc_store",
+                                                                                 "the document store")):
+            if stats is None:
+                continue
+            for field, text in (("hits", f"Prompts whose documents came from {what}"),
+                                ("misses", f"Prompts whose documents were not in {what} (then put there)"),
+                                ("tokens_saved", f"Prompt tokens taken from {what}, not prefilled"),
+                                ("evicted", f"Entries evicted from {what} (least recently used)"),
+                                ("entries", f"Entries held in {what}"),
+                                ("bytes_used", f"Bytes held by {what}"),
+                                ("max_bytes", f"The bound in bytes of {what} (0: disabled)")):
+                Gauge(f"snapkv_rag_{name}_{field}", text, registry=r).set_function(
+                    lambda field=field, stats=stats: getattr(stats(), field))
         Gauge("snapkv_rag_queue_depth", "Requests waiting for a batch slot", registry=r).set_function(
             lambda: load()[0])
         Gauge("snapkv_rag_running_requests", "Requests in the running decode batch", registry=r).set_function(

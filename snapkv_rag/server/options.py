@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
                         help="bound of the document prefix cache: the prefill of instruction + documents is kept "
                         "and reused by the next question over them (default 1 GiB; 0 disables)")
+    parser.add_argument("--doc-store-bytes", type=int, default=1 << 30, metavar="BYTES",
+                        help="bound of the store of compressed document sets: a request with a query-agnostic "
+                        "method (keynorm, kvzip) over documents seen before prefills only its question "
+                        "(default 1 GiB; 0 disables)")
     parser.add_argument("--replicas", type=int, default=None, metavar="K", help="run K engines as Ray Serve replicas "
                         "behind the same routes, one GPU each where there are GPUs (needs the ray extra; default: one "
                         "engine in this process, no Ray)")
@@ -62,7 +66,8 @@ def check(args) -> str | None:
     for flag, value, least in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
                                ("--max-queue", args.max_queue, 0), ("--max-body-bytes", args.max_body_bytes, 1),
                                ("--max-documents", args.max_documents, 1),
-                               ("--prefix-cache-bytes", args.prefix_cache_bytes, 0)):
+                               ("--prefix-cache-bytes", args.prefix_cache_bytes, 0),
+                               ("--doc-store-bytes", args.doc_store_bytes, 0)):
         if value < least:
             raise ValueError(f"{flag} {value}: must be at least {least}")
     if args.port > 65535:

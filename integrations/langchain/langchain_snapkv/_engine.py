@@ -15,6 +15,7 @@ from pydantic import Field
 from snapkv_rag import Document, GenerationResult
 from snapkv_rag.adapter_fields import EngineSpec
 from snapkv_rag.adapters import call_options, result_metadata
+from snapkv_rag.doc_store import DocumentSet
 
 __all__ = ["EngineFields", "to_engine_documents", "usage_metadata", "result_metadata"]
 
@@ -57,7 +58,8 @@ class EngineFields(EngineSpec):
                              f"({self.model_name}); a per-call model override is not supported")
         if "max_tokens" in kwargs:  # LangChain's name for it
             kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
-        fields = {"max_new_tokens": self.max_tokens, "stop": self.stop, "snapkv": self.snapkv,
+        stored = isinstance(documents, DocumentSet)  # runs the method it was indexed with, not the field's
+        fields = {"max_new_tokens": self.max_tokens, "stop": self.stop, "snapkv": None if stored else self.snapkv,
                   **{name: getattr(self, name) for name in ("temperature", "top_p", "seed")}}
         options = call_options(fields, {**kwargs, **({"stop": stop} if stop is not None else {})}, ("documents",))
         return options, documents
@@ -65,9 +67,10 @@ class EngineFields(EngineSpec):
 
 def to_engine_documents(items: Sequence[Any] | None) -> list | None:
     """LangChain ``Document``s (``metadata["title"]`` becomes the title) and anything the engine
-    takes (str, dict with ``text``, ``snapkv_rag.Document``), in the order given."""
-    if items is None:
-        return None
+    takes (str, dict with ``text``, ``snapkv_rag.Document``), in the order given; a handle from
+    ``index_documents`` (:meth:`ChatSnapKV.bind_documents`) is passed through."""
+    if items is None or isinstance(items, DocumentSet):  # a stored compressed document set goes as it is
+        return items
     if isinstance(items, (str, Mapping, LCDocument, Document)) or not isinstance(items, Sequence):
         raise TypeError(f"documents: expected a list of documents, got a single {type(items).__name__}; "
                         "wrap it in a list")

@@ -45,6 +45,9 @@ class ChatSnapKV(EngineFields, BaseChatModel):
         msg = chat.invoke("Who wrote Hamlet?", documents=retrieved)      # or chat.bind(documents=...)
         msg.response_metadata["citations"], msg.response_metadata["cited_documents"]
 
+    Many questions over the same documents: ``chat.bind_documents(retrieved)`` compresses them once
+    (query-agnostic, key-norm at 50% by default); each ``invoke`` then prefills only its question.
+
     ``retrieved`` holds LangChain ``Document``s (``metadata["title"]`` is shown as the title),
     strings, or dicts with ``text``. ``text-plain`` content blocks in the last human message are
     documents too (:func:`langchain_snapkv.documents_message` builds such a message). Or put
@@ -102,6 +105,15 @@ class ChatSnapKV(EngineFields, BaseChatModel):
         returns ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``. ``strict`` is accepted
         for compatibility: decoding always follows the schema."""
         return structured.structured_runnable(self, schema, method, include_raw, kwargs)
+
+    def bind_documents(self, documents: Sequence[Any], method: Any = 0.5) -> Runnable[LanguageModelInput, AIMessage]:
+        """This model bound to ``documents``, compressed ONCE now by a query-agnostic ``method``
+        (a fraction: key-norm keeping that share, default 0.5; or a ``KeyNormConfig`` / ``KVzipConfig``
+        / ``StreamingLLMConfig``) and kept in the engine's document store: each question then
+        prefills only itself. Single-turn questions (no system message or earlier turns: they would
+        come before the documents); see :meth:`snapkv_rag.SnapKVLLM.index_documents`."""
+        handle = self.engine.index_documents(to_engine_documents(documents), method)
+        return self.bind(documents=handle)
 
     # ------------------------------------------------------------------ generation
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> dict[str, Any]:

@@ -1,0 +1,118 @@
+"""Stored document sets on disk: one safetensors file per set (:mod:`snapkv_rag.doc_store`).
+
+The tensors are ``layer.<i>.keys`` / ``.values`` / ``.positions`` per attention layer; the
+safetensors header's metadata holds one JSON string, ``snapkv_rag``: the file format, the
+library version, the model's and tokenizer's identity, the method with its settings, the prefix's
+token ids, the documents (and a hash of their text), the instruction, the entry's key and a
+SHA-256 of the tensor data. Loading checks all of it: a file from another model, dtype,
+tokenizer or library version, an unreadable / truncated file, or data that does not hash to what
+was saved, is refused with a ``ValueError`` that says which.
+
+Saving writes a temporary file beside ``path`` and renames it into place, so a crash never leaves
+half a file. A file that already holds *another* document set (another key) is never replaced
+unless ``overwrite=True`` (``FileExistsError``); saving the same set again rewrites it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .cache import LayerKV
+from .doc_store import Stored, documents_hash, entry_key, identity, method_from_json, method_json
+from .prompts import Document
+
+FORMAT = "snapkv-rag-documents/1"
+META = "snapkv_rag"
+
+
+def _tensors(entry: Stored) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, kv in enumerate(entry.layers):
+        if kv is not None:
+            out[f"layer.{i}.keys"] = kv.keys[0].contiguous().cpu()
+            out[f"layer.{i}.values"] = kv.values[0].contiguous().cpu()
+            out[f"layer.{i}.positions"] = kv.positions[0].contiguous().cpu()
+    return out
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].view(torch.uint8).numpy().tobytes() if tensors[name].numel() else b"")
+    return digest.hexdigest()
+
+
+def _meta(path: Path) -> dict | None:
+    """The metadata of a file saved here, ``None`` if it is not one (or unreadable)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads((f.metadata() or {})[META])
+    except (SafetensorError, OSError, KeyError, ValueError):
+        return None
+
+
+def save(llm, entry: Stored, path, overwrite: bool = False) -> None:
+    """Write ``entry`` to ``path`` (see the module's rules on replacing a file)."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        old = _meta(path)
+        if old is None or old.get("key") != entry.key:
+            raise FileExistsError(f"path: {path} already exists and holds "
+                                  f"{'another document set' if old else 'something else'}; pass overwrite=True to "
+                                  "replace it, or save to another path")
+    tensors = _tensors(entry)
+    meta = {"format": FORMAT, "key": entry.key, **identity(llm), "method": method_json(entry.method),
+            "ids": list(entry.ids), "layers": len(entry.layers), "instruction": entry.instruction,
+            "documents": [{"text": d.text, "title": d.title, "id": d.id} for d in entry.documents],
+            "documents_hash": documents_hash(entry.documents), "checksum": _checksum(tensors)}
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    save_file(tensors, str(partial), metadata={META: json.dumps(meta)})
+    os.replace(partial, path)
+
+
+def load(llm, path) -> Stored:
+    """The :class:`Stored` entry of a file written by :func:`save`, checked against ``llm``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"path: no file at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get(META)
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as error:
+        raise ValueError(f"path: {path} is not a readable document cache file (corrupt or truncated: "
+                         f"{error})") from error
+    try:
+        meta = json.loads(raw) if raw is not None else None
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"path: {path} is not a snapkv-rag document cache file (format {FORMAT})")
+    mine = identity(llm)
+    for field, what in (("library", "library version"), ("model", "model"), ("model_hash", "model configuration"),
+                        ("dtype", "dtype"), ("tokenizer_hash", "tokenizer")):
+        if meta.get(field) != mine[field]:
+            raise ValueError(f"path: {path} was made with another {what} ({meta.get(field)!r}; this engine has "
+                             f"{mine[field]!r}): index the documents again with this engine")
+    if _checksum(tensors) != meta.get("checksum"):
+        raise ValueError(f"path: {path} is corrupt: its tensors do not match the checksum saved with them")
+    method = method_from_json(meta["method"])
+    ids = tuple(int(i) for i in meta["ids"])
+    if entry_key(mine, method, ids) != meta["key"]:
+        raise ValueError(f"path: {path} is inconsistent: its key does not match its contents")
+    device = llm.runner.device
+    layers = [None] * int(meta["layers"])
+    for i in range(len(layers)):
+        if f"layer.{i}.keys" in tensors:
+            parts = (tensors[f"layer.{i}.{part}"][None].to(device) for part in ("keys", "values", "positions"))
+            layers[i] = LayerKV(*parts)
+    documents = tuple(Document(text=d["text"], title=d["title"], id=d["id"]) for d in meta["documents"])
+    return Stored(meta["key"], ids, tuple(layers), method, documents, meta["instruction"])

@@ -1,0 +1,368 @@
+"""A compressed document cache store: compress a document set once, answer many questions over it.
+
+    docs = llm.index_documents(documents, method=KeyNormConfig(ratio=0.5))   # one prefill + selection
+    docs.generate("Who wrote it?")            # == llm.generate("Who wrote it?", docs): the tail only
+    docs.save("docs.safetensors"); llm.load_documents("docs.safetensors")
+
+What is stored: the prompt's tokens before its question (chat template head, documents,
+instruction: the prefix the document prefix cache also cuts at, :func:`snapkv_rag.prefix_cache.boundary`)
+compressed by a *query-agnostic* method (:data:`QUERY_AGNOSTIC`): per attention layer the kept keys,
+values and their original positions. A question over the handle prefills only the tail (``"Question:
+..."`` and the chat template's end) on top of the kept K/V, at the positions it has in the whole
+prompt (the cache's positions go on from the uncompressed length, as every compressed row's do), and
+the tail is kept whole; then it decodes like any compressed request. SnapKV and the other
+query-aware methods are refused: what they keep is chosen by the question's attention, so a cache
+kept for one question is the wrong one for the next.
+
+The tail's K/V are computed over the kept document tokens only, so answers match a whole-prompt
+run exactly when nothing was dropped (a budget that keeps the whole prefix), and otherwise are the
+answers of that reused cache (the cost the follow-up evaluation measures).
+
+The store is an LRU bounded by bytes (``doc_store_bytes``, default 1 GiB), keyed by the model's
+identity (name, config, dtype), the tokenizer's, the library version, the method with its settings,
+and the prefix's token ids (which the documents, the instruction and the chat template give). An
+entry leaves only by LRU eviction (counted in :meth:`DocStore.stats`); a handle whose entry left is
+indexed again on its next use (counted as a miss). Files: :mod:`snapkv_rag.doc_files`.
+Only plain full-attention models: sliding-window, latent and recurrent / hybrid layers are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from . import __version__, prefix_cache
+from .cache import FULL, NONE, LayerKV
+from .config import KeyNormConfig, KVzipConfig, RandomConfig, StreamingLLMConfig
+from .lru import ByteLRU
+from .prompts import Document, DocumentLike
+
+DEFAULT_BYTES = 1 << 30
+QUERY_AGNOSTIC = (KeyNormConfig, KVzipConfig, StreamingLLMConfig, RandomConfig)
+"""Methods whose selection never looks at the question (``None``, the full cache, too)."""
+PLACEHOLDER = "?"  # the question the prefix is cut from (the prefix ends before it)
+
+
+def check_method(method: Any):
+    """The store's method from what a caller gives: a query-agnostic config, a fraction (key-norm
+    at that ratio) or ``None`` (the prefix kept whole)."""
+    if isinstance(method, float) and not isinstance(method, bool):
+        return KeyNormConfig(ratio=method)
+    if method is None or type(method) in QUERY_AGNOSTIC:
+        return method
+    name = getattr(method, "method", type(method).__name__)
+    raise ValueError(f"method: {name} chooses what to keep from the question's attention, so its cache fits "
+                     "one question only; a stored document cache needs a query-agnostic method: KeyNormConfig, "
+                     "KVzipConfig, StreamingLLMConfig, RandomConfig, a fraction (key-norm at that ratio) or None")
+
+
+def method_json(method) -> dict | None:
+    """A method config as JSON (its class and fields): part of the key and of a saved file."""
+    return None if method is None else {"class": type(method).__name__, **dataclasses.asdict(method)}
+
+
+def method_from_json(data: dict | None):
+    if data is None:
+        return None
+    classes = {cls.__name__: cls for cls in QUERY_AGNOSTIC}
+    fields = dict(data)
+    cls = classes.get(fields.pop("class", None))
+    if cls is None:
+        raise ValueError(f"method: {data.get('class')!r} is not a query-agnostic method of this library")
+    return cls(**fields)
+
+
+def identity(llm) -> dict:
+    """What a stored cache is valid for: the model (name, config, a fingerprint of its first and last
+    weights, dtype), the tokenizer (vocabulary, chat template) and the library version."""
+    cached = getattr(llm, "_doc_identity", None)
+    if cached is None:
+        config = llm.model.config.to_dict()
+        config.pop("_name_or_path", None)
+        tok = llm.tokenizer
+        vocab = sorted(tok.get_vocab().items()) if hasattr(tok, "get_vocab") else []
+        params = (next(llm.model.parameters()), list(llm.model.parameters())[-1])
+        weights = hashlib.sha256(b"".join(p.detach().flatten()[:4096].float().cpu().numpy().tobytes() for p in params))
+        cached = {"model": str(llm.model_name), "model_hash": _digest([config, weights.hexdigest()]),
+                  "dtype": str(next(llm.model.parameters()).dtype).removeprefix("torch."),
+                  "tokenizer_hash": _digest([vocab, getattr(tok, "chat_template", None)]), "library": __version__}
+        llm._doc_identity = cached
+    return cached
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def entry_key(ident: dict, method, ids: Sequence[int]) -> str:
+    return _digest([ident, method_json(method), list(ids)])
+
+
+def documents_hash(documents: Sequence[Document]) -> str:
+    return _digest([[d.text, d.title, d.id] for d in documents])
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One stored compressed prefix: its token ids, per layer a :class:`LayerKV` (kept keys, values,
+    original positions; ``None`` for an MLP-only layer), the method that chose them and what built it."""
+
+    key: str
+    ids: tuple[int, ...]
+    layers: tuple[LayerKV | None, ...]
+    method: Any
+    documents: tuple[Document, ...]
+    instruction: str
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def config(self):
+        """The method with its budget in tokens for this prefix (a ``ratio`` resolved)."""
+        return self.method and self.method.for_prompt(self.length)
+
+    def kv_bytes(self) -> tuple[int, int]:
+        """(bytes the full cache of the prefix holds, bytes of the kept keys + values)."""
+        full = kept = 0
+        for kv in self.layers:
+            if kv is not None:
+                per_token = kv.keys.shape[1] * (kv.keys.shape[-1] + kv.values.shape[-1]) * kv.keys.element_size()
+                full, kept = full + per_token * self.length, kept + per_token * kv.slots
+        return full, kept
+
+    @property
+    def nbytes(self) -> int:
+        """Every tensor held (positions included): what the store's bound counts."""
+        return sum(t.numel() * t.element_size() for kv in self.layers if kv is not None
+                   for t in (kv.keys, kv.values, kv.positions))
+
+
+class DocStoreStats(prefix_cache.PrefixStats):
+    """Counters of a :class:`DocStore` (a snapshot): a hit is a question answered from a stored
+    cache, ``tokens_saved`` the prefix tokens those questions did not prefill, a miss a document
+    set compressed because the store did not hold it (first indexing, or after its eviction)."""
+
+
+class DocStore:
+    """A byte-bounded LRU of :class:`Stored` entries by key; ``max_bytes`` 0 keeps nothing (a handle
+    then holds its own entry, outside any bound)."""
+
+    def __init__(self, max_bytes: int = DEFAULT_BYTES):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"doc_store_bytes: must be a number of bytes >= 0 (0: nothing kept), got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._lru = ByteLRU(max_bytes, lambda entry: entry.nbytes)
+        self._lock = threading.Lock()
+        self._counts = DocStoreStats()
+
+    def get(self, key: str) -> Stored | None:
+        """The entry of ``key`` (then the most recently used), or ``None``; counts nothing."""
+        with self._lock:
+            return self._lru.get(key)
+
+    def used(self, entry: Stored):
+        """Count a question answered from ``entry``; returns the method it runs (the entry's)."""
+        with self._lock:
+            self._counts.hits += 1
+            self._counts.tokens_saved += entry.length
+        return entry.config
+
+    def missed(self) -> None:
+        with self._lock:
+            self._counts.misses += 1
+
+    def put(self, entry: Stored) -> bool:
+        """Keep ``entry``, evicting least recently used entries until it fits (each counted); an
+        entry larger than the whole store is not kept. A key already held keeps its entry (equal keys:
+        equal contents)."""
+        with self._lock:
+            return self._lru.get(entry.key) is not None or self._lru.put(entry.key, entry)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._lru.entries)
+
+    def stats(self) -> DocStoreStats:
+        with self._lock:
+            return self._counts.snapshot(self._lru)
+
+
+def unsupported(llm) -> str | None:
+    """Why ``llm``'s model cannot answer from a stored cache (``None``: it can)."""
+    for i, spec in enumerate(llm.runner.specs):
+        if spec.state or spec.kind not in (FULL, NONE):
+            return (f"layer {i} of {type(llm.model).__name__} is {spec.kind}"
+                    f"{' with a recurrent state' if spec.state else ''}: a stored document cache reuses the kept "
+                    "K/V of full-attention layers only (a recurrent state or a sliding window cannot be continued "
+                    "from a compressed prefix)")
+    return None
+
+
+class DocumentSet:
+    """A handle on a stored compressed document set: what :meth:`SnapKVLLM.index_documents` returns.
+    ``documents``, ``method``, ``prompt_tokens`` (the prefix's length), ``kept_bytes`` / ``full_bytes``
+    (keys + values kept, and what the full cache would hold); ``generate``/``stream``/``chat`` ask
+    over it (the same as ``llm.generate(question, handle)``); ``save(path)`` writes it to a file."""
+
+    def __init__(self, llm, entry: Stored):
+        self.llm, self.key = llm, entry.key
+        self.documents, self.method, self.instruction = list(entry.documents), entry.method, entry.instruction
+        self.prompt_tokens = entry.length
+        self.full_bytes, self.kept_bytes = entry.kv_bytes()
+        self._own = entry if llm.doc_store.max_bytes == 0 else None  # no store: the handle holds it
+
+    def __repr__(self) -> str:
+        name = getattr(self.method, "method", "full")
+        return (f"DocumentSet({len(self.documents)} documents, {self.prompt_tokens} tokens, {name}, "
+                f"{self.kept_bytes} of {self.full_bytes} bytes)")
+
+    def entry(self) -> Stored:
+        """The stored entry (indexed again, and counted as a miss, if the store evicted it)."""
+        if self._own is not None:
+            return self._own
+        found = self.llm.doc_store.get(self.key)
+        if found is None:
+            self.llm.doc_store.missed()
+            found = build(self.llm, self.documents, self.method)
+            self.llm.doc_store.put(found)
+        return found
+
+    def generate(self, question: str, **options):
+        return self.llm.generate(question, self, **options)
+
+    def stream(self, question: str, **options) -> Iterator[str]:
+        return self.llm.stream(question, self, **options)
+
+    def chat(self, messages, **options):
+        return self.llm.chat(messages, self, **options)
+
+    def save(self, path, overwrite: bool = False) -> None:
+        from .doc_files import save
+
+        save(self.llm, self.entry(), path, overwrite)
+
+
+def build(llm, documents: Sequence[DocumentLike], method) -> Stored:
+    """Prefill the prefix of ``documents``' RAG prompt (the engine's instruction) once and
+    compress it with ``method``."""
+    why = unsupported(llm)
+    if why is not None:
+        raise ValueError(f"index_documents: {why}")
+    request = llm.request(PLACEHOLDER, documents)
+    if not request.documents:
+        raise ValueError("documents: give at least one document to index")
+    at = prefix_cache.boundary(request.input_ids, request.spans)
+    if at is None:
+        raise ValueError("documents: the prompt's question could not be located (a tokenizer without "
+                         "offsets, or a chat template that rewrites the user turn)")
+    ids = request.input_ids[:at]
+    if at + 16 > llm.context_window:
+        raise ValueError(f"documents: the indexed prompt is {at} tokens, which leaves no room for a question and "
+                         f"an answer in the model's context window of {llm.context_window} tokens")
+    pre = llm.runner.prefill([ids], {"": method and method.for_prompt(len(ids))})
+    layers = tuple(kv if isinstance(kv, LayerKV) else None for kv in pre.compressed[""][0].layers)
+    return Stored(entry_key(identity(llm), method, ids), tuple(ids), layers, method, tuple(request.documents),
+                  llm.instruction)
+
+
+def index(llm, documents: Sequence[DocumentLike], method) -> DocumentSet:
+    """:meth:`SnapKVLLM.index_documents`: the stored entry of these documents under ``method``
+    (built now unless the store holds it) and its handle."""
+    method = check_method(method)
+    probe = llm.request(PLACEHOLDER, documents)
+    at = prefix_cache.boundary(probe.input_ids, probe.spans)
+    found = at is not None and llm.doc_store.get(entry_key(identity(llm), method, probe.input_ids[:at]))
+    if not found:
+        llm.doc_store.missed()
+    entry = found or build(llm, documents, method)
+    llm.doc_store.put(entry)
+    return DocumentSet(llm, entry)
+
+
+def bind(request, handle):
+    """``request`` (built over ``handle``'s documents) set to run on the stored cache: its tokens
+    before the question must be the stored ones. Without a handle, ``request`` as it is."""
+    if not isinstance(handle, DocumentSet):
+        return request
+    entry = handle.entry()
+    if tuple(request.input_ids[: entry.length]) != entry.ids or len(request.input_ids) <= entry.length:
+        raise ValueError("documents: this prompt does not start with the stored documents' tokens (a conversation "
+                         "with earlier turns or a system message, or cite='json', changes what comes before the "
+                         "question); ask a single question over the handle, or index the documents for that prompt")
+    request.stored = entry
+    return request
+
+
+def documents_of(llm, documents):
+    """The documents of a handle of ``llm``'s (a handle of another engine: a clear error), or
+    ``documents`` as they are."""
+    if not isinstance(documents, DocumentSet):
+        return documents
+    if documents.llm is not llm and identity(documents.llm) != identity(llm):
+        raise ValueError("documents: this document handle was made by another model or tokenizer "
+                         f"({identity(documents.llm)['model']}); index the documents with this engine")
+    return documents.documents
+
+
+def check_options(options: dict, requests) -> None:
+    """A request over a document handle runs the handle's method: a ``snapkv`` option is refused."""
+    if "snapkv" in options and any(r.stored is not None for r in requests):
+        raise ValueError("snapkv: a question over a document handle runs the method the documents were indexed "
+                         "with; leave snapkv out, or index the documents with the method you want")
+
+
+class DocumentsAPI:
+    """The engine's document store (and prefix cache) methods (mixed into :class:`~snapkv_rag.engine.SnapKVLLM`)."""
+
+    doc_store: DocStore
+    prefix_cache: Any
+
+    def index_documents(self, documents: Sequence[DocumentLike], method: Any = 0.5) -> DocumentSet:
+        """Prefill the instruction + ``documents`` once, compress them with a query-agnostic
+        ``method`` (a :class:`~snapkv_rag.config.KeyNormConfig`, ``KVzipConfig``, ``StreamingLLMConfig``,
+        ``RandomConfig``, a fraction: key-norm keeping that share, default 0.5; ``None``: kept whole)
+        and keep the result in the document store. Returns the handle to ask over:
+        ``handle.generate(q)`` or ``generate(q, handle)`` prefills only the question."""
+        return index(self, documents, method)
+
+    def load_documents(self, path) -> DocumentSet:
+        """A handle on a document set saved with ``handle.save(path)`` by the same model, tokenizer and
+        library version (anything else: a clear error); it goes into the store."""
+        from .doc_files import load
+
+        entry = load(self, path)
+        self.doc_store.put(entry)
+        return DocumentSet(self, entry)
+
+    def prefix_stats(self):
+        """The prefix cache's hits, misses, tokens saved and bytes used."""
+        return self.prefix_cache.stats()
+
+    def doc_stats(self) -> DocStoreStats:
+        """The document store's hits (questions answered from it), misses, tokens saved, bytes used."""
+        return self.doc_store.stats()
+
+
+def tail_hook(cache, entry: Stored, total: int):
+    """The prompt cache's hook while a tail runs over ``entry``: each layer's K/V (the kept ones,
+    then the tail's) with their positions (the kept ones, then the tail's ``entry.length .. total``),
+    kept whole. ``hook.layers`` is filled as the layers run."""
+
+    def hook(layer_idx: int, query, vote_keys, scoring) -> None:
+        layer = cache.layers[layer_idx]
+        keys, values = layer.pending
+        stored = entry.layers[layer_idx].positions
+        tail = torch.arange(entry.length, total, device=stored.device).expand(1, stored.shape[1], -1)
+        hook.layers[layer_idx] = LayerKV(keys, values, torch.cat([stored, tail], dim=-1))
+        layer.pending, layer.done = None, True
+
+    hook.layers = [None] * len(entry.layers)
+    return hook
