@@ -159,7 +159,9 @@ def test_save_load_round_trip_and_overwrite_rule(llm, tiny_model, tokenizer, tmp
     assert fresh.load_documents(path).key == other.key
 
 
-def test_files_from_another_model_or_corrupt_are_refused(llm, tokenizer, tmp_path):
+def test_files_from_another_model_or_corrupt_are_refused(tokenizer, tmp_path):
+    """A file of this model loads only into an engine of the same weights, configuration and dtype."""
+    llm = SnapKVLLM(model=tiny_llama(len(tokenizer)), tokenizer=tokenizer)  # its own (the shared one can be cast)
     path = tmp_path / "docs.safetensors"
     llm.index_documents(DOCS, method=HALF).save(path)
     for model, what in ((tiny_llama(len(tokenizer), seed=1), "model configuration"),
