@@ -12,6 +12,9 @@ greedily from the compressed cache at the original positions, and writes one JSO
 token ids, the time for the whole answer, its prefill and decode parts, and how many positions the
 cache holds (AdaKV-style presses mask per head instead: their cache keeps every position). The
 first line it writes is ``{"ready": true}`` once the model is loaded.
+
+A request with ``"context_ids"`` and ``"tails"`` instead is a follow-up one (:func:`follow_up`):
+the context compressed once by a query-agnostic press, several questions answered over it.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from importlib import metadata
 import torch
 from contextlib import nullcontext
 
-from kvpress import AdaKVPress, ChunkKVPress, CriticalAdaKVPress, FinchPress, SnapKVPress, TOVAPress
+from kvpress import (AdaKVPress, ChunkKVPress, CriticalAdaKVPress, ExpectedAttentionPress, FinchPress, KnormPress,
+                     KVzipPress, SnapKVPress, TOVAPress)
 from transformers import AutoModelForCausalLM, DynamicCache
 
 PRESSES = ("snapkv", "adakv", "criticaladakv", "finch", "chunkkv", "tova")
+CONTEXT_PRESSES = {"kvzip": KVzipPress, "expected_attention": ExpectedAttentionPress, "knorm": KnormPress}
+"""Query-agnostic presses for a ``"tails"`` request: the context compressed once, every question over it."""
 
 
 def make_press(request: dict, ratio: float):
@@ -89,6 +95,54 @@ def answer(model, request: dict) -> dict:
             "compression_ratio": ratio}
 
 
+def greedy(model, cache, ids: list[int], start: int, request: dict) -> list[int]:
+    """Greedy tokens after ``ids`` run at positions ``start ..`` over ``cache`` (which grows)."""
+    eos, stops, tokens = set(request["eos_ids"]), set(request.get("stop_ids", ())), []
+    logits = model(input_ids=torch.tensor([ids]), past_key_values=cache,
+                   position_ids=torch.arange(start, start + len(ids))[None], logits_to_keep=1).logits
+    for step in range(request["max_new_tokens"]):
+        token = int(logits[0, -1].argmax())
+        if token in eos:
+            break
+        tokens.append(token)
+        if token in stops or step == request["max_new_tokens"] - 1:
+            break
+        logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                       position_ids=torch.tensor([[start + len(ids) + step]]), logits_to_keep=1).logits
+    return tokens
+
+
+def follow_up(model, request: dict) -> dict:
+    """kvpress's own multi-question use (its pipeline's): ``context_ids`` prefilled once under a
+    query-agnostic press (:data:`CONTEXT_PRESSES`, or none: the full cache) keeping ``budget``
+    positions on average, then each of ``tails`` (a question's tokens) run over that cache at the
+    positions after the context and answered greedily; the cache is cut back to the context after
+    each. Returns per tail its tokens and the seconds to its first token."""
+    context = request["context_ids"]
+    ratio = max(0.0, 1.0 - (request["budget"] + 0.5) / len(context))
+    name = request.get("press")
+    press = None if name is None else CONTEXT_PRESSES[name](compression_ratio=ratio)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        start = time.perf_counter()
+        with press(model) if press is not None else nullcontext():
+            model.model(input_ids=torch.tensor([context]), past_key_values=cache)
+        build_s = time.perf_counter() - start
+        lengths = [layer.keys.shape[-2] for layer in cache.layers]
+        answers, first = [], []
+        for tail in request["tails"]:
+            begin = time.perf_counter()
+            answers.append(greedy(model, cache, tail, len(context), {**request, "max_new_tokens": 1}))
+            first.append(time.perf_counter() - begin)
+            for layer, n in zip(cache.layers, lengths):
+                layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+            answers[-1] = greedy(model, cache, tail, len(context), request)
+            for layer, n in zip(cache.layers, lengths):
+                layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+    return {"answers": answers, "first_token_s": first, "build_s": build_s, "kept": sum(lengths) / len(lengths),
+            "compression_ratio": ratio}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="model folder (the same one the snapkv_rag half loads)")
@@ -101,7 +155,8 @@ def main() -> None:
     print(json.dumps({"ready": True, **versions}), flush=True)
     for line in sys.stdin:
         if line.strip():
-            print(json.dumps(answer(model, json.loads(line))), flush=True)
+            request = json.loads(line)
+            print(json.dumps(follow_up(model, request) if "tails" in request else answer(model, request)), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ question of the group over the whole set. Per budget (the share of the documents
 - ``snapkv-q1``: the documents compressed once by SnapKV with question 1 as the observation window,
   then reused for every question of the group (the failure mode of reusing a query-aware cache);
 - ``keynorm`` / ``kvzip`` / ``streaming``: query-agnostic, compressed once by
-  :meth:`~snapkv_rag.SnapKVLLM.index_documents` and reused.
+  :meth:`~snapkv_rag.SnapKVLLM.index_documents` and reused; ``keynorm-recent``: key-norm with half
+  the budget given to the last documents' tokens (a recency window of ``budget // 2``), since on
+  the embedded model the tokens nearest the question carry the answer's start.
 
 Rows: identical to the full cache, token F1 against it, answer F1, citation F1, time to the first text
 piece and the bytes stored. The engine runs without the document prefix cache, so that ``full`` and
@@ -33,7 +35,7 @@ from .datasets import nq_examples
 from .metrics import answer_scores, citation_scores, fidelity_scores
 from .report import bootstrap_ci
 
-REUSED = ("snapkv-q1", "keynorm", "kvzip", "streaming")
+REUSED = ("snapkv-q1", "keynorm", "keynorm-recent", "kvzip", "streaming")
 METHODS = ("full", "snapkv", *REUSED)
 
 
@@ -103,10 +105,14 @@ def question_one_set(llm, documents: Sequence[dict], question: str, ratio: float
 
 def handles(llm, group: Group, ratio: float) -> dict[str, tuple[Any, float]]:
     """Each reused method's handle on ``group``'s documents and the seconds it took to build."""
-    from snapkv_rag import KeyNormConfig, KVzipConfig, StreamingLLMConfig
+    from snapkv_rag import KeyNormConfig, KVzipConfig, StreamingLLMConfig, prefix_cache
 
+    probe = llm.request(group.questions[0].question, group.documents)
+    budget = math.ceil(ratio * prefix_cache.boundary(probe.input_ids, probe.spans))
+    recent = KeyNormConfig(max_capacity_prompt=budget, window_size=budget // 2)
     makers = {"snapkv-q1": lambda: question_one_set(llm, group.documents, group.questions[0].question, ratio),
               "keynorm": lambda: llm.index_documents(group.documents, method=KeyNormConfig(ratio=ratio)),
+              "keynorm-recent": lambda: llm.index_documents(group.documents, method=recent),
               "kvzip": lambda: llm.index_documents(group.documents, method=KVzipConfig(ratio=ratio)),
               "streaming": lambda: llm.index_documents(group.documents, method=StreamingLLMConfig(ratio=ratio))}
     out = {}
@@ -212,6 +218,35 @@ def markdown(records: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(records: Sequence[dict], path: Path) -> Path:
+    """Identical-to-full against the budget per method (95% intervals), and the mean time to the
+    first text piece per method: ``path`` (a PNG)."""
+    from .plots import plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    methods = [m for m in METHODS if any(r["method"] == m for r in records)]
+    for i, method in enumerate(methods):
+        cell = sorted((r for r in records if r["method"] == method), key=lambda r: r["budget"])
+        xs = [100 * r["budget"] + 1.2 * (i - len(methods) / 2) for r in cell]
+        ys = [r["identical_to_full"] for r in cell]
+        err = [[y - r["identical_ci"][0] for y, r in zip(ys, cell)], [r["identical_ci"][1] - y for y, r in zip(ys, cell)]]
+        left.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method)
+    left.set_xlabel("documents' tokens kept (%)")
+    left.set_ylabel("answer identical to the full cache's")
+    left.set_title("questions 2+ of each document set")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    times = {m: [r["ttft_s"] for r in records if r["method"] == m] for m in methods}
+    right.bar(range(len(methods)), [sum(t) / len(t) for t in times.values()])
+    right.set_xticks(range(len(methods)), methods, rotation=30, fontsize=8)
+    right.set_ylabel("time to the first text piece (s, mean)")
+    right.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None, engine=None) -> int:
     p = argparse.ArgumentParser(prog="python -m evals.followup", description=__doc__.split("\n")[0])
     p.add_argument("--groups", type=int, default=30, help="document sets (default 30)")
@@ -234,8 +269,10 @@ def main(argv: list[str] | None = None, engine=None) -> int:
     path = run(engine, groups(args.groups, args.per_group, args.num_docs, args.seed), budgets, args.out,
                args.max_new_tokens, not args.no_progress)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-    table = markdown(summarise(rows))
+    records = summarise(rows)
+    table = markdown(records)
     (args.out / "summary.md").write_text(table)
+    plot(records, args.out / "followup.png")
     print(table)
     return 0
 

@@ -170,6 +170,8 @@ class DocStore:
 
     def used(self, entry: Stored):
         """Count a question answered from ``entry``; returns the method it runs (the entry's)."""
+        if not isinstance(entry, Stored):  # a stitched prompt (:mod:`snapkv_rag.stitch`): its own store counts
+            return entry.config
         with self._lock:
             self._counts.hits += 1
             self._counts.tokens_saved += entry.length
@@ -206,7 +208,27 @@ def unsupported(llm) -> str | None:
     return None
 
 
-class DocumentSet:
+class DocumentHandle:
+    """What can stand for ``documents`` in a request (``llm`` and ``documents``): it binds the request
+    built over its documents to the cache it runs on (:meth:`bind_request`)."""
+
+    llm: Any
+    documents: list
+
+    def bind_request(self, request):
+        raise NotImplementedError
+
+    def generate(self, question: str, **options):
+        return self.llm.generate(question, self, **options)
+
+    def stream(self, question: str, **options) -> Iterator[str]:
+        return self.llm.stream(question, self, **options)
+
+    def chat(self, messages, **options):
+        return self.llm.chat(messages, self, **options)
+
+
+class DocumentSet(DocumentHandle):
     """A handle on a stored compressed document set: what :meth:`SnapKVLLM.index_documents` returns.
     ``documents``, ``method``, ``prompt_tokens`` (the prefix's length), ``kept_bytes`` / ``full_bytes``
     (keys + values kept, and what the full cache would hold); ``generate``/``stream``/``chat`` ask
@@ -235,14 +257,15 @@ class DocumentSet:
             self.llm.doc_store.put(found)
         return found
 
-    def generate(self, question: str, **options):
-        return self.llm.generate(question, self, **options)
-
-    def stream(self, question: str, **options) -> Iterator[str]:
-        return self.llm.stream(question, self, **options)
-
-    def chat(self, messages, **options):
-        return self.llm.chat(messages, self, **options)
+    def bind_request(self, request):
+        """Its tokens before the question must be the stored ones."""
+        entry = self.entry()
+        if tuple(request.input_ids[: entry.length]) != entry.ids or len(request.input_ids) <= entry.length:
+            raise ValueError("documents: this prompt does not start with the stored documents' tokens (a conversation "
+                             "with earlier turns or a system message, or cite='json', changes what comes before the "
+                             "question); ask a single question over the handle, or index the documents for that prompt")
+        request.stored = entry
+        return request
 
     def save(self, path, overwrite: bool = False) -> None:
         from .doc_files import save
@@ -288,23 +311,15 @@ def index(llm, documents: Sequence[DocumentLike], method) -> DocumentSet:
 
 
 def bind(request, handle):
-    """``request`` (built over ``handle``'s documents) set to run on the stored cache: its tokens
-    before the question must be the stored ones. Without a handle, ``request`` as it is."""
-    if not isinstance(handle, DocumentSet):
-        return request
-    entry = handle.entry()
-    if tuple(request.input_ids[: entry.length]) != entry.ids or len(request.input_ids) <= entry.length:
-        raise ValueError("documents: this prompt does not start with the stored documents' tokens (a conversation "
-                         "with earlier turns or a system message, or cite='json', changes what comes before the "
-                         "question); ask a single question over the handle, or index the documents for that prompt")
-    request.stored = entry
-    return request
+    """``request`` (built over ``handle``'s documents) set to run on the handle's cache; without a
+    handle, ``request`` as it is."""
+    return handle.bind_request(request) if isinstance(handle, DocumentHandle) else request
 
 
 def documents_of(llm, documents):
     """The documents of a handle of ``llm``'s (a handle of another engine: a clear error), or
     ``documents`` as they are."""
-    if not isinstance(documents, DocumentSet):
+    if not isinstance(documents, DocumentHandle):
         return documents
     if documents.llm is not llm and identity(documents.llm) != identity(llm):
         raise ValueError("documents: this document handle was made by another model or tokenizer "
@@ -315,8 +330,9 @@ def documents_of(llm, documents):
 def check_options(options: dict, requests) -> None:
     """A request over a document handle runs the handle's method: a ``snapkv`` option is refused."""
     if "snapkv" in options and any(r.stored is not None for r in requests):
-        raise ValueError("snapkv: a question over a document handle runs the method the documents were indexed "
-                         "with; leave snapkv out, or index the documents with the method you want")
+        raise ValueError("snapkv: a question over a document handle runs the handle's cache (the method the documents "
+                         "were indexed with, or a stitched cache whole); leave snapkv out, or index the documents with "
+                         "the method you want")
 
 
 class DocumentsAPI:

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
 
-from . import attention, choices, cited, compare as comparing, doc_store, loading, prefix_cache, structured
+from . import attention, choices, cited, compare as comparing, doc_store, loading, prefix_cache, stitch, structured
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
 from .prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
 from .results import GenerationResult, Timings, finish_result
@@ -52,7 +52,7 @@ def check_config(snapkv: Any):
     return snapkv
 
 
-class SnapKVLLM(doc_store.DocumentsAPI):
+class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
     """A local causal LM that answers over retrieved documents from a SnapKV-compressed cache.
 
     >>> llm = SnapKVLLM()                                  # the embedded SmolLM2-135M-Instruct

@@ -153,8 +153,11 @@ class Runner:
     def prefill_stored(self, stored, ids: list[int]) -> Prefilled:
         """Run only ``ids[stored.length:]`` (the tail of a prompt over a stored compressed document
         set, :mod:`snapkv_rag.doc_store`) on top of the stored kept K/V, at the positions the tail has
-        in the whole prompt; the tail is kept whole (``doc_store.tail_hook``)."""
+        in the whole prompt; the tail is kept whole (``doc_store.tail_hook``). A stitched document
+        prompt (:mod:`snapkv_rag.stitch`) prefills itself."""
         self.attach()
+        if hasattr(stored, "prefill"):
+            return stored.prefill(self, ids)
         start = time.perf_counter()
         cache = PromptCache(self.model.config, self.specs, stored)
         cache.compress = tail_hook(cache, stored, len(ids))

@@ -15,7 +15,7 @@ from pydantic import Field
 from snapkv_rag import Document, GenerationResult
 from snapkv_rag.adapter_fields import EngineSpec
 from snapkv_rag.adapters import call_options, result_metadata
-from snapkv_rag.doc_store import DocumentSet
+from snapkv_rag.doc_store import DocumentHandle
 
 __all__ = ["EngineFields", "to_engine_documents", "usage_metadata", "result_metadata"]
 
@@ -58,7 +58,7 @@ class EngineFields(EngineSpec):
                              f"({self.model_name}); a per-call model override is not supported")
         if "max_tokens" in kwargs:  # LangChain's name for it
             kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
-        stored = isinstance(documents, DocumentSet)  # runs the method it was indexed with, not the field's
+        stored = isinstance(documents, DocumentHandle)  # runs the method it was indexed with, not the field's
         fields = {"max_new_tokens": self.max_tokens, "stop": self.stop, "snapkv": None if stored else self.snapkv,
                   **{name: getattr(self, name) for name in ("temperature", "top_p", "seed")}}
         options = call_options(fields, {**kwargs, **({"stop": stop} if stop is not None else {})}, ("documents",))
@@ -69,7 +69,7 @@ def to_engine_documents(items: Sequence[Any] | None) -> list | None:
     """LangChain ``Document``s (``metadata["title"]`` becomes the title) and anything the engine
     takes (str, dict with ``text``, ``snapkv_rag.Document``), in the order given; a handle from
     ``index_documents`` (:meth:`ChatSnapKV.bind_documents`) is passed through."""
-    if items is None or isinstance(items, DocumentSet):  # a stored compressed document set goes as it is
+    if items is None or isinstance(items, DocumentHandle):  # a stored compressed document set goes as it is
         return items
     if isinstance(items, (str, Mapping, LCDocument, Document)) or not isinstance(items, Sequence):
         raise TypeError(f"documents: expected a list of documents, got a single {type(items).__name__}; "
