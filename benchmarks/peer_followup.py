@@ -77,8 +77,11 @@ def summary(ours: dict, peers: list[dict], budgets) -> str:
     for r in peers:
         if r["question_index"] > 0 and r["method"] != "kvpress:full":
             cells[(r["budget"], r["method"])][(r["group"], r["question_index"])] = r["identical_to_full"]
+    agree = [r["text"] == ours[(r["group"], r["question_index"], "full", 1.0)]["text"]
+             for r in peers if r["method"] == "kvpress:full"]
     lines = [f"# Follow-up questions beside kvpress: {len(done)} groups, questions 2+ of each", "",
-             "Each side against its own full cache. 'vs best ours' is the paired difference from our best reused "
+             f"The two full caches (ours, kvpress's transformers) give the same answer on {sum(agree)} of {len(agree)} "
+             "questions. Each side against its own full cache. 'vs best ours' is the paired difference from our best reused "
              "(query-agnostic or question-1) method at that budget, 95% bootstrap.", "",
              "| budget | method | n | identical to full [95%] | vs best ours [95%] |", "|---|---|---|---|---|"]
     for budget in budgets:
@@ -106,6 +109,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=30, help="the eval's --groups (its seeded sample)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5])
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--limit", type=int, default=None, help="stop after this many new groups")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "peer_followup")
     args = parser.parse_args()
 
@@ -124,10 +128,9 @@ def main() -> None:
     eos = sorted({llm.tokenizer.eos_token_id, *([eos_config] if isinstance(eos_config, int) else eos_config or [])}
                  - {None})
     worker = KVPressWorker(args.kvpress_python, model_dir, None)
+    todo = [g for g in groups(args.groups, 3, 5, 0) if g.id in finished and g.id not in done][:args.limit]
     try:
-        for group in groups(args.groups, 3, 5, 0):
-            if group.id in done or group.id not in finished:
-                continue
+        for group in todo:
             rows = peer_rows(llm, worker, group, args.budgets, args.max_new_tokens, eos)
             with path.open("a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -10,6 +10,9 @@ recomputed (``--recompute``, CacheBlend-style). Rows per question and recompute 
 the full prefill's answer, token F1 against it, answer F1, citation F1 and the prefill time of each
 (the stitched one counts the recompute probe and the prefill of what no document covers). The
 summary gives the paired answer-F1 difference against the full prefill with a 95% bootstrap interval.
+``--first-token`` measures instead how far each stitched prompt's next-token distribution lies from
+the full prefill's (KL divergence, top-token agreement): the direct check that recomputing more
+brings the stitched cache closer to the full one.
 """
 
 from __future__ import annotations
@@ -62,6 +65,43 @@ def run(llm, examples, shares: Sequence[float], out: Path, max_new_tokens: int, 
     return path
 
 
+def first_token_rows(llm, examples, shares: Sequence[float], out: Path, progress: bool = True) -> Path:
+    """Per question (resumable, ``out/first_token.jsonl``): the KL divergence of each stitched
+    prompt's next-token distribution from the full prefill's, and whether their top token agrees."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "first_token.jsonl"
+    done = {json.loads(line)["id"] for line in path.read_text().splitlines() if line} if path.exists() else set()
+    for n, example in enumerate(examples):
+        if example.question_id in done:
+            continue
+        request = llm.request(example.question, example.documents)
+        full = llm.runner.prefill([list(request.input_ids)], {"": None}).logits.double().log_softmax(-1)
+        row = {"id": example.question_id, "prompt_tokens": len(request.input_ids)}
+        for share in shares:
+            handle = llm.reuse_documents(example.documents, recompute=share)
+            stitched = handle.next_token_logits(example.question).double().log_softmax(-1)
+            row[f"kl@{share}"] = float((full.exp() * (full - stitched)).sum())
+            row[f"top1@{share}"] = float(int(full.argmax()) == int(stitched.argmax()))
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if progress:
+            print(f"question {n + 1}/{len(examples)}: " + ", ".join(f"{s:.2f}: KL {row[f'kl@{s}']:.3f}" for s in shares),
+                  flush=True)
+    return path
+
+
+def first_token_markdown(rows: Sequence[dict], shares: Sequence[float]) -> str:
+    lines = ["| recompute | n | KL(full || stitched), mean [95%] | median | top token as full's [95%] |",
+             "|---|---|---|---|---|"]
+    for share in shares:
+        kl, top = [r[f"kl@{share}"] for r in rows if f"kl@{share}" in r], [r[f"top1@{share}"] for r in rows if f"top1@{share}" in r]
+        if kl:
+            (lo, hi), (tlo, thi) = bootstrap_ci(kl), bootstrap_ci(top)
+            lines.append(f"| {share:.0%} | {len(kl)} | {statistics.mean(kl):.3f} [{lo:.3f}, {hi:.3f}] | "
+                         f"{statistics.median(kl):.3f} | {statistics.mean(top):.2f} [{tlo:.2f}, {thi:.2f}] |")
+    return "\n".join(lines) + "\n"
+
+
 def summarise(rows: Sequence[dict]) -> list[dict]:
     """Per recompute share: means, identical-to-full with its interval, the paired answer-F1
     difference against the full prefill (95% bootstrap), and the median prefill speed-up."""
@@ -104,6 +144,8 @@ def main(argv: list[str] | None = None, engine=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="default: the embedded model")
     p.add_argument("--out", type=Path, default=Path("evals/results/stitch"))
+    p.add_argument("--first-token", action="store_true", help="instead: the next-token KL against a full prefill, "
+                   "per recompute share (first_token.jsonl, first_token.md)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     shares = [float(s) for s in args.recompute.split(",")]
@@ -114,6 +156,12 @@ def main(argv: list[str] | None = None, engine=None) -> int:
 
         engine = SnapKVLLM(args.model, prefix_cache_bytes=0)
     examples = nq_examples(args.questions, [args.num_docs], ["middle"], args.seed)
+    if args.first_token:
+        path = first_token_rows(engine, examples, shares, args.out, not args.no_progress)
+        table = first_token_markdown([json.loads(line) for line in path.read_text().splitlines() if line], shares)
+        (args.out / "first_token.md").write_text(table)
+        print(table)
+        return 0
     path = run(engine, examples, shares, args.out, args.max_new_tokens, not args.no_progress)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
     table = markdown(summarise(rows))

@@ -177,6 +177,12 @@ class StitchedDocuments(DocumentHandle):
         with self.llm.runner.lock, torch.inference_mode():
             return sum(self._chunk(doc)[1] for doc in self.documents)
 
+    def next_token_logits(self, question: str) -> torch.Tensor:
+        """The stitched prompt's next-token logits ``[1, V]`` for ``question`` (what its first answer
+        token is drawn from), to compare with a full prefill's."""
+        request = self.llm.request(question, self)
+        return request.stored.prefill(self.llm.runner, list(request.input_ids)).logits
+
     def _chunk(self, doc) -> tuple[Chunk, bool]:
         """``doc``'s stored cache (computed now if the store lacks it) and whether it was computed."""
         request = self.llm.request(PLACEHOLDER, [doc])
@@ -194,6 +200,7 @@ class StitchedDocuments(DocumentHandle):
         chunk = Chunk(tuple(ids[start:]), start, layers)
         store.put(key, chunk)
         return chunk, True
+
 
 class Bound:
     """A request's prompt bound to a :class:`StitchedDocuments` handle: the absolute token spans of

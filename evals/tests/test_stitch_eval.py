@@ -22,3 +22,12 @@ def test_rows_resume_and_summary(tiny, tmp_path):
     everything = next(r for r in records if r["recompute"] == 1.0)
     assert everything["identical_to_full"] == 1.0 and everything["f1_delta"] == 0.0 and everything["n"] == 2
     assert "| 100% | 2 |" in stitch.markdown(records)
+
+
+def test_first_token_divergence_is_zero_when_everything_is_recomputed(tiny, tmp_path):
+    examples = nq_examples(2, [3], ["middle"], 0)
+    path = stitch.first_token_rows(tiny, examples, [0.0, 1.0], tmp_path, progress=False)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 2 and all(abs(r["kl@1.0"]) < 1e-6 and r["top1@1.0"] == 1.0 for r in rows)
+    assert all(r["kl@0.0"] > 1e-6 for r in rows)  # documents computed alone do differ
+    assert "| 100% | 2 |" in stitch.first_token_markdown(rows, [0.0, 1.0])
