@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,6 +219,27 @@ def markdown(records: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme(rows: Sequence[dict], records: Sequence[dict], command: str, planned: int) -> str:
+    """The results folder's README: what ran, the summary table, and the time to the first text
+    piece of questions 2+ (median) over each stored set against the full prefill."""
+    done = len({r["group"] for r in rows})
+    later = [r for r in rows if r["question_index"] > 0]
+    def median(method):
+        values = sorted(r["ttft_s"] for r in later if r["method"] == method)
+        return values[len(values) // 2] if values else None
+    full = median("full")
+    speed = ", ".join(f"{m} {median(m):.2f} s ({full / median(m):.1f}x sooner)" for m in REUSED if median(m))
+    return (f"# Follow-up questions over one compressed document set: {done} of {planned} groups\n\n"
+            f"`{command}` (resumable; `command.txt`). Each group pools the documents of 3 NQ questions (5 each, "
+            "gold in the middle of its own list) into one shuffled set of about 15 documents (~1,800-token prompts); "
+            "each question is asked over the whole set on the embedded SmolLM2-135M (CPU, greedy, 32 new tokens, no "
+            "prefix cache). The table covers questions 2 and 3 of each group: question 1 is the one `snapkv-q1` was "
+            "compressed for. 'vs snapkv-q1' is the paired difference in identical-to-full rate (95% bootstrap). "
+            "Methods added after the first groups ran have fewer rows (n).\n\n" + markdown(records) +
+            f"\nTime to the first text piece of questions 2+, median: full prefill {full:.2f} s; over a stored set "
+            f"{speed}. `followup.png` plots the table.\n")
+
+
 def plot(records: Sequence[dict], path: Path) -> Path:
     """Identical-to-full against the budget per method (95% intervals), and the mean time to the
     first text piece per method: ``path`` (a PNG)."""
@@ -258,21 +280,27 @@ def main(argv: list[str] | None = None, engine=None) -> int:
     p.add_argument("--model", default=None, help="default: the embedded model")
     p.add_argument("--out", type=Path, default=Path("evals/results/followup"))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--report-only", action="store_true", help="write the summary, README and plot from the rows so far")
     args = p.parse_args(argv)
     budgets = [float(b) for b in args.budgets.split(",")]
     if args.groups < 1 or args.per_group < 2 or args.num_docs < 1 or not all(0 < b < 1 for b in budgets):
         raise SystemExit("--groups >= 1, --per-group >= 2, --num-docs >= 1 and budgets between 0 and 1 are needed")
-    if engine is None:
+    if engine is None and not args.report_only:
         from snapkv_rag import SnapKVLLM
 
         engine = SnapKVLLM(args.model, prefix_cache_bytes=0)
-    path = run(engine, groups(args.groups, args.per_group, args.num_docs, args.seed), budgets, args.out,
-               args.max_new_tokens, not args.no_progress)
+    path = args.out / "rows.jsonl"
+    if not args.report_only:
+        run(engine, groups(args.groups, args.per_group, args.num_docs, args.seed), budgets, args.out,
+            args.max_new_tokens, not args.no_progress)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
     records = summarise(rows)
     table = markdown(records)
     (args.out / "summary.md").write_text(table)
     plot(records, args.out / "followup.png")
+    given = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"]
+    command = "python -m evals.followup " + " ".join(given)
+    (args.out / "README.md").write_text(readme(rows, records, command.strip(), args.groups))
     print(table)
     return 0
 

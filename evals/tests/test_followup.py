@@ -58,3 +58,4 @@ def test_rows_for_every_method_resume_and_summary(tiny, tmp_path):
     assert abs(keynorm["stored_fraction"] - 0.5) < 0.02 and "vs_q1" in keynorm
     assert "| keynorm | 50% |" in followup.markdown(records)
     assert followup.plot(records, tmp_path / "f.png").stat().st_size > 1000
+    assert "of 1 groups" in followup.readme(rows, records, "python -m evals.followup", 1)
