@@ -54,11 +54,12 @@ def examples(count: int) -> list:
 
 
 def our_configs(budget: int) -> dict:
-    from snapkv_rag import DocSnapKVConfig, SnapKVConfig
+    from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, SnapKVConfig
 
     return {"snapkv": SnapKVConfig(max_capacity_prompt=budget),
             "snapkv_avg": SnapKVConfig(max_capacity_prompt=budget, pooling="avg"),
-            "docsnapkv": DocSnapKVConfig(max_capacity_prompt=budget)}
+            "docsnapkv": DocSnapKVConfig(max_capacity_prompt=budget),
+            "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=budget)}
 
 
 def first_line(text: str) -> str:

@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 _WHERE = {
     "SnapKVLLM": "engine", "ContextLengthError": "engine", "GenerationOutOfMemoryError": "engine",
     "SnapKVConfig": "config", "PyramidKVConfig": "config", "StreamingLLMConfig": "config",
-    "H2OConfig": "config", "RandomConfig": "config", "DocSnapKVConfig": "config", "KeyNormConfig": "config", "KVzipConfig": "config",
+    "H2OConfig": "config", "RandomConfig": "config", "DocSnapKVConfig": "config", "AdaSnapKVConfig": "config",
+    "KeyNormConfig": "config", "KVzipConfig": "config",
     "PromptSpans": "config",
     "Document": "prompts", "parse_citations": "prompts",
     "GenerationResult": "results", "CompressionStats": "results", "Timings": "results", "Usage": "results",
@@ -36,7 +37,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from .config import (DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PromptSpans, PyramidKVConfig, RandomConfig, SnapKVConfig,
+    from .config import (AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PromptSpans, PyramidKVConfig, RandomConfig, SnapKVConfig,
                          StreamingLLMConfig)
     from .engine import ContextLengthError, GenerationOutOfMemoryError, SnapKVLLM
     from .loading import ModelLoadError

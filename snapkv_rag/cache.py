@@ -35,8 +35,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from . import compression
-from .config import KVzipConfig, RandomConfig
+from . import adaptive, compression
+from .config import AdaSnapKVConfig, KVzipConfig, RandomConfig
 from .layer_kinds import (FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec, UnsupportedModelError,  # noqa: F401
                           layer_specs)  # (re-exported: where callers found them before)
 
@@ -300,10 +300,15 @@ def compress_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, que
             kept = compression.select(method, q, voters, voters, None, layer_idx, num_layers, shared=True,
                                       **scoring.as_kwargs())[2][:, :1].expand(k.shape[0], k.shape[1], -1)
             k, v = compression.gather_positions(k, kept), compression.gather_positions(v, kept)
+        elif isinstance(method, AdaSnapKVConfig):  # ragged heads: empty slots at position -1
+            k, v, kept = adaptive.ada_snapkv_select(q[..., -method.window_size:, :], k, v, method,
+                                                    capacity=method.budget_for_layer(layer_idx, num_layers),
+                                                    **scoring.as_kwargs())
         else:
             k, v, kept = compression.select(method, q, k, v, None, layer_idx, num_layers, **scoring.as_kwargs())
-        out += [LayerKV(k[b:b + 1], v[b:b + 1], kept[b:b + 1] + start) for b in range(k.shape[0])]
-    return [LayerKV(kv.keys, kv.values, kv.positions - (length - real)) for kv, real in zip(out, lengths)]
+        out += [LayerKV(*adaptive.trim_padding(k[b:b + 1], v[b:b + 1], kept[b:b + 1])) for b in range(k.shape[0])]
+    return [LayerKV(kv.keys, kv.values, torch.where(kv.positions >= 0, kv.positions + start - (length - real), -1))
+            for kv, start, real in zip(out, starts, lengths)]
 
 
 def compress_reread_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, query: torch.Tensor,

@@ -59,9 +59,12 @@ def attention_hit_rate(decode_attention: dict[int, torch.Tensor], kept: dict[int
         if k >= attention.shape[-1]:
             rates.append(1.0)
             continue
+        held = positions >= 0  # head-adaptive methods leave some heads' slots empty (-1)
+        counts = held.sum(-1, keepdim=True)  # [1, H_kv, 1]: each head's own k
         top = attention.topk(k, dim=-1).indices
-        hit = torch.zeros_like(attention, dtype=torch.bool).scatter(-1, positions, True).gather(-1, top)
-        rates.append(hit.float().mean().item())
+        kept = torch.zeros_like(attention, dtype=torch.long).scatter_add(-1, positions.clamp(min=0), held.long()) > 0
+        ranked = torch.arange(k, device=top.device) < counts
+        rates.append(((kept.gather(-1, top) & ranked).sum() / ranked.sum()).item())
     return sum(rates) / len(rates) if rates else 1.0
 
 

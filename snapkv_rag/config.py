@@ -170,6 +170,26 @@ class DocSnapKVConfig(SnapKVConfig):
 
 
 @dataclass(frozen=True)
+class AdaSnapKVConfig(SnapKVConfig):
+    """Ada-SnapKV (Feng et al. 2024, AdaKV): SnapKV's votes with the layer's budget shared between its
+    KV heads by vote, not split evenly. Each head keeps its ``floor`` share of the even split (the
+    safeguard) and the window; the rest of the layer's ``H_kv x (max_capacity_prompt - window)``
+    prefix slots go to the best-voted positions of any head, so a head whose attention is spread
+    keeps more and a focused head less. The cache holds each layer padded only to its largest
+    head: shorter heads' empty slots are masked, never attended (:mod:`snapkv_rag.adaptive`).
+    """
+
+    floor: float = 0.2
+
+    method = "adasnapkv"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(isinstance(self.floor, (int, float)) and not isinstance(self.floor, bool) and 0 <= self.floor <= 1,
+                 "floor", f"must be a share between 0 and 1, got {self.floor!r}")
+
+
+@dataclass(frozen=True)
 class KeyNormConfig(SnapKVConfig):
     """Key-norm selection (Devoto et al. 2024): query-agnostic, the prompt's own keys decide. Keys
     of small L2 norm draw the most attention in practice, so each head keeps the prefix positions
@@ -268,6 +288,7 @@ __all__ = [
     "SnapKVConfig",
     "PyramidKVConfig",
     "DocSnapKVConfig",
+    "AdaSnapKVConfig",
     "KeyNormConfig",
     "KVzipConfig",
     "PromptSpans",

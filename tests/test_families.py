@@ -22,7 +22,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from families import COMMON, FAMILIES, tiny_model
-from snapkv_rag import (DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM,
+from snapkv_rag import (AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM,
                         StreamingLLMConfig)
 from snapkv_testing import capture_caches, filler_documents, tiny_llama
 
@@ -203,8 +203,9 @@ def test_reported_kept_tokens_are_what_the_cache_holds(name, tokenizer):
 
 # the document-aware method at 64 works inside sliding windows (96: its tokens outside the documents
 # fit there) and falls back to SnapKV on full layers (89 of them); at 128 it works on full layers
-@pytest.mark.parametrize("method", [SnapKVConfig, partial(SnapKVConfig, pooling="avg"), DocSnapKVConfig],
-                         ids=["snapkv-max", "snapkv-avg", "docsnapkv"])
+@pytest.mark.parametrize("method", [SnapKVConfig, partial(SnapKVConfig, pooling="avg"), DocSnapKVConfig,
+                                    partial(AdaSnapKVConfig, floor=0.0)],
+                         ids=["snapkv-max", "snapkv-avg", "docsnapkv", "adasnapkv"])
 def test_concurrent_batch_equals_single_calls(family, method):
     _, llm = family
     config = method(max_capacity_prompt=64, window_size=8)
@@ -226,7 +227,8 @@ def test_compare_equals_generate_for_every_method(family):
                "streaming": StreamingLLMConfig(max_capacity_prompt=64), "h2o": H2OConfig(max_capacity_prompt=64, recent_size=8),
                "random": RandomConfig(max_capacity_prompt=64, recent_size=8),
                "docsnapkv": DocSnapKVConfig(max_capacity_prompt=128, window_size=8),
-               "keynorm": KeyNormConfig(max_capacity_prompt=64, window_size=8)}
+               "keynorm": KeyNormConfig(max_capacity_prompt=64, window_size=8),
+               "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0)}
     if not any(spec.state for spec in llm.runner.specs):  # (refused with recurrent layers: test_query_agnostic)
         methods["kvzip"] = KVzipConfig(max_capacity_prompt=64, window_size=8)
     docs = filler_documents(4)

@@ -9,15 +9,15 @@ from dataclasses import asdict, dataclass, field, replace
 from dataclasses import fields as fields_of
 from typing import Any
 
-from ..config import DocSnapKVConfig, KeyNormConfig, KVzipConfig, SnapKVConfig
+from ..config import AdaSnapKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig, SnapKVConfig
 from ..tools import ToolPlan
 from . import logprobs, tool_calls
 from .errors import APIError, bad, typed
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SNAPKV_FIELDS = ("method", "max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling")
-METHODS = {"snapkv": SnapKVConfig, "docsnapkv": DocSnapKVConfig, "keynorm": KeyNormConfig,
-           "kvzip": KVzipConfig}
+METHODS = {"snapkv": SnapKVConfig, "docsnapkv": DocSnapKVConfig, "adasnapkv": AdaSnapKVConfig,
+           "keynorm": KeyNormConfig, "kvzip": KVzipConfig}
 # OpenAI parameters this server cannot honour: refused by name rather than ignored in silence
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
 
@@ -131,7 +131,7 @@ def _messages(body: dict, limit: int, documents: list[dict]) -> list[dict]:
 def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | None:
     """``"snapkv": false`` (full cache), ``true`` (the server's compression), or an object of
     ``SnapKVConfig`` fields; ``budget`` takes tokens (512) or a share (``"50%"``); ``method``
-    ``"docsnapkv"`` selects document-aware SnapKV, ``"keynorm"`` key-norm selection and ``"kvzip"`` KVzip (both query-agnostic),
+    ``"docsnapkv"`` selects document-aware SnapKV, ``"adasnapkv"`` head-adaptive SnapKV, ``"keynorm"`` key-norm selection and ``"kvzip"`` KVzip (both query-agnostic),
     ``"snapkv"`` plain SnapKV."""
     if value is None:
         return None

@@ -1,0 +1,73 @@
+"""Head-adaptive budgets (Ada-SnapKV, :class:`~snapkv_rag.config.AdaSnapKVConfig`) and the ragged
+cache they need.
+
+A layer's prefix budget ``H_kv x (capacity - window)`` is shared between its heads by SnapKV's
+pooled votes: every head keeps its best ``floor x (capacity - window)`` positions, and the rest of
+the budget goes to the best-voted positions left in any head. Heads then hold different counts;
+the layer is stored padded only to its largest head, the empty slots with position ``-1`` (the
+slot cache masks them, so they are never attended) and zero K/V. :func:`trim_padding` drops the
+columns that every head of a row leaves empty, so a request holds the same slots in a batch as
+alone. Bytes held: ``H_kv x (largest head + window)`` per layer, between SnapKV's
+``H_kv x capacity`` and the full prompt's; :func:`held_share` says how much of that is used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compression import NEG_INF, best_positions, gather_positions, keep_top, pool_votes, snapkv_votes
+from .config import AdaSnapKVConfig
+
+EMPTY = -1
+"""The position of a slot that holds nothing (masked in decode)."""
+
+
+def head_counts(pooled: torch.Tensor, per_head: int, floor: int) -> torch.Tensor:
+    """``[B, H]``: how many prefix positions each head keeps out of ``H x per_head``: its
+    ``floor`` best, then the best scores left across all heads of the row (ties: lower head first)."""
+    b, h, n = pooled.shape
+    ranked = pooled.sort(dim=-1, descending=True, stable=True).values  # [B, H, n], each head's scores best first
+    ranked[..., :floor] = float("inf")  # the safeguard is always chosen
+    chosen = ranked.reshape(b, h * n).argsort(dim=-1, descending=True, stable=True)[:, : h * per_head]
+    return torch.zeros(b, h * n, dtype=torch.long, device=pooled.device).scatter_(1, chosen, 1).view(b, h, n).sum(-1)
+
+
+def ada_snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+                      config: AdaSnapKVConfig, attention_mask: torch.Tensor | None = None, *, capacity: int | None = None,
+                      **scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(keys, values, kept_positions)`` ``[B, H_kv, C, ...]`` with ``C`` the largest head's count
+    plus the window; a head's unused slots come first, at position :data:`EMPTY` with zero K/V."""
+    capacity = config.max_capacity_prompt if capacity is None else capacity
+    b, h, length, _ = key_states.shape
+    if length <= capacity:
+        return keep_top(key_states.new_zeros(()), key_states, value_states, capacity, 0)
+    window = min(config.window_size, query_window.shape[-2])
+    votes = snapkv_votes(query_window[..., -window:, :], key_states, attention_mask, **scoring)[..., : length - window]
+    pooled = pool_votes(votes, config.kernel_size, config.pooling).float()
+    if attention_mask is not None:
+        real = attention_mask[:, : length - window].to(device=pooled.device, dtype=torch.bool)
+        pooled = pooled.masked_fill(~real[:, None, :], NEG_INF)
+    per_head = capacity - window
+    counts = head_counts(pooled, per_head, int(config.floor * per_head))
+    widest = int(counts.max())
+    top = best_positions(pooled, widest)  # [B, H, widest]
+    rank = torch.arange(widest, device=top.device)
+    top = torch.where(rank < counts[..., None], top, EMPTY)
+    recent = torch.arange(length - window, length, device=top.device).expand(b, h, window)
+    kept = torch.cat([top, recent], dim=-1).sort(dim=-1).values  # the empty slots first
+    empty = (kept < 0)[..., None]
+    keys = gather_positions(key_states, kept.clamp(min=0)).masked_fill(empty, 0)
+    values = gather_positions(value_states, kept.clamp(min=0)).masked_fill(empty, 0)
+    return keys, values, kept
+
+
+def trim_padding(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
+    """One row's ``[1, H, C, ...]`` without the leading columns that every head leaves empty."""
+    unused = int((positions < 0).sum(-1).min())
+    return (keys, values, positions) if unused == 0 else (keys[:, :, unused:], values[:, :, unused:],
+                                                          positions[:, :, unused:])
+
+
+def held_share(positions: torch.Tensor) -> float:
+    """The share of a layer's held slots that hold a position (1.0 for a dense selection)."""
+    return float((positions >= 0).float().mean())
