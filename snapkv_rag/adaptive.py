@@ -22,14 +22,16 @@ EMPTY = -1
 """The position of a slot that holds nothing (masked in decode)."""
 
 
-def head_counts(pooled: torch.Tensor, per_head: int, floor: int) -> torch.Tensor:
-    """``[B, H]``: how many prefix positions each head keeps out of ``H x per_head``: its
-    ``floor`` best, then the best scores left across all heads of the row (ties: lower head first)."""
-    b, h, n = pooled.shape
-    ranked = pooled.sort(dim=-1, descending=True, stable=True).values  # [B, H, n], each head's scores best first
+def head_counts(ranked: torch.Tensor, per_head: int, floor: int) -> torch.Tensor:
+    """``[B, H]``: how many prefix positions each head keeps out of ``H x per_head``, from each
+    head's scores ``ranked`` best first ``[B, H, n]``: its ``floor`` best, then the best scores
+    left across all heads of the row (ties: lower head first). A head's chosen ones are a prefix of
+    its ranking, so its count says which they are."""
+    b, h, n = ranked.shape
+    ranked = ranked.clone()
     ranked[..., :floor] = float("inf")  # the safeguard is always chosen
     chosen = ranked.reshape(b, h * n).argsort(dim=-1, descending=True, stable=True)[:, : h * per_head]
-    return torch.zeros(b, h * n, dtype=torch.long, device=pooled.device).scatter_(1, chosen, 1).view(b, h, n).sum(-1)
+    return torch.zeros(b, h * n, dtype=torch.long, device=ranked.device).scatter_(1, chosen, 1).view(b, h, n).sum(-1)
 
 
 def ada_snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -48,9 +50,10 @@ def ada_snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, valu
         real = attention_mask[:, : length - window].to(device=pooled.device, dtype=torch.bool)
         pooled = pooled.masked_fill(~real[:, None, :], NEG_INF)
     per_head = capacity - window
-    counts = head_counts(pooled, per_head, int(config.floor * per_head))
+    order = best_positions(pooled, pooled.shape[-1])  # [B, H, n]: each head's positions, best first
+    counts = head_counts(pooled.gather(-1, order), per_head, int(config.floor * per_head))
     widest = int(counts.max())
-    top = best_positions(pooled, widest)  # [B, H, widest]
+    top = order[..., :widest]
     rank = torch.arange(widest, device=top.device)
     top = torch.where(rank < counts[..., None], top, EMPTY)
     recent = torch.arange(length - window, length, device=top.device).expand(b, h, window)

@@ -18,7 +18,7 @@ DOCS = filler_documents(6)
 
 
 def test_head_counts_share_the_budget_by_vote_above_the_floor():
-    spread = torch.tensor([[[5.0, 4, 3, 2, 1, 0], [9, 8, 7, 6, 5.5, 5.2]]])
+    spread = torch.tensor([[[5.0, 4, 3, 2, 1, 0], [9, 8, 7, 6, 5.5, 5.2]]])  # each head's scores, best first
     assert head_counts(spread, 3, 1).tolist() == [[1, 5]]  # the second head's votes are all higher
     assert head_counts(spread, 3, 2).tolist() == [[2, 4]]  # ... but each keeps its floor
     assert head_counts(spread, 3, 3).tolist() == [[3, 3]]  # a full floor is SnapKV's even split
