@@ -68,7 +68,6 @@ def answer(model, request: dict) -> dict:
     press = None if request.get("press", "snapkv") is None else make_press(request, ratio)
     if isinstance(press, FinchPress):  # the delimiter goes before the question; the hook removes it
         ids = ids[:request["question_start"]] + [request["delimiter_id"]] + ids[request["question_start"]:]
-    eos, stops = set(request["eos_ids"]), set(request.get("stop_ids", ()))
     cache = DynamicCache()
     with torch.inference_mode():
         start = time.perf_counter()
@@ -76,30 +75,19 @@ def answer(model, request: dict) -> dict:
             logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, logits_to_keep=1).logits
         prefill_s = time.perf_counter() - start
         kept = cache.layers[0].keys.shape[-2]
-        tokens: list[int] = []
         decode_start = time.perf_counter()
-        steps = 0
-        for step in range(request["max_new_tokens"]):
-            token = int(logits[0, -1].argmax())
-            if token in eos:
-                break
-            tokens.append(token)
-            if token in stops or step == request["max_new_tokens"] - 1:
-                break
-            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                           position_ids=torch.tensor([[length + step]]), logits_to_keep=1).logits
-            steps += 1
+        tokens, steps = decode(model, cache, logits, length, request)
         decode_s = time.perf_counter() - decode_start
     return {"tokens": tokens, "answer_s": time.perf_counter() - start, "prefill_s": prefill_s,
             "decode_ms_per_token": 1000 * decode_s / steps if steps else 0.0, "kept": kept,
             "compression_ratio": ratio}
 
 
-def greedy(model, cache, ids: list[int], start: int, request: dict) -> list[int]:
-    """Greedy tokens after ``ids`` run at positions ``start ..`` over ``cache`` (which grows)."""
-    eos, stops, tokens = set(request["eos_ids"]), set(request.get("stop_ids", ())), []
-    logits = model(input_ids=torch.tensor([ids]), past_key_values=cache,
-                   position_ids=torch.arange(start, start + len(ids))[None], logits_to_keep=1).logits
+def decode(model, cache, logits, position: int, request: dict) -> tuple[list[int], int]:
+    """Greedy tokens from the next-token ``logits``, fed at positions ``position ..`` over ``cache``
+    (which grows), until an end-of-sequence or stop token or ``max_new_tokens``; and the forward
+    steps that took."""
+    eos, stops, tokens, steps = set(request["eos_ids"]), set(request.get("stop_ids", ())), [], 0
     for step in range(request["max_new_tokens"]):
         token = int(logits[0, -1].argmax())
         if token in eos:
@@ -108,8 +96,9 @@ def greedy(model, cache, ids: list[int], start: int, request: dict) -> list[int]
         if token in stops or step == request["max_new_tokens"] - 1:
             break
         logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                       position_ids=torch.tensor([[start + len(ids) + step]]), logits_to_keep=1).logits
-    return tokens
+                       position_ids=torch.tensor([[position + step]]), logits_to_keep=1).logits
+        steps += 1
+    return tokens, steps
 
 
 def follow_up(model, request: dict) -> dict:
@@ -132,11 +121,10 @@ def follow_up(model, request: dict) -> dict:
         answers, first = [], []
         for tail in request["tails"]:
             begin = time.perf_counter()
-            answers.append(greedy(model, cache, tail, len(context), {**request, "max_new_tokens": 1}))
+            logits = model(input_ids=torch.tensor([tail]), past_key_values=cache, logits_to_keep=1,
+                           position_ids=torch.arange(len(context), len(context) + len(tail))[None]).logits
             first.append(time.perf_counter() - begin)
-            for layer, n in zip(cache.layers, lengths):
-                layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
-            answers[-1] = greedy(model, cache, tail, len(context), request)
+            answers.append(decode(model, cache, logits, len(context) + len(tail), request)[0])
             for layer, n in zip(cache.layers, lengths):
                 layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
     return {"answers": answers, "first_token_s": first, "build_s": build_s, "kept": sum(lengths) / len(lengths),

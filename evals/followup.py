@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 from .datasets import nq_examples
 from .metrics import answer_scores, citation_scores, fidelity_scores
-from .report import bootstrap_ci
+from .report import append_rows, bootstrap_ci, finished
 
 REUSED = ("snapkv-q1", "keynorm", "keynorm-recent", "kvzip", "streaming")
 METHODS = ("full", "snapkv", *REUSED)
@@ -164,16 +164,14 @@ def group_rows(llm, group: Group, budgets: Sequence[float], max_new_tokens: int)
 def run(llm, todo: Sequence[Group], budgets: Sequence[float], out: Path, max_new_tokens: int,
         progress: bool = True) -> Path:
     """Append each unfinished group's rows to ``out/rows.jsonl`` (a group at a time: resumable)."""
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "rows.jsonl"
-    done = {json.loads(line)["group"] for line in path.read_text().splitlines() if line} if path.exists() else set()
+    done = finished(path, "group")
     for n, group in enumerate(todo):
         if group.id in done:
             continue
         start = time.perf_counter()
         rows = group_rows(llm, group, budgets, max_new_tokens)
-        with path.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        append_rows(path, rows)
         if progress:
             print(f"group {n + 1}/{len(todo)} ({len(group.documents)} documents, {rows[0]['prompt_tokens']} tokens): "
                   f"{time.perf_counter() - start:.0f} s", flush=True)

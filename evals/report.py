@@ -29,6 +29,18 @@ TABLE_COLUMNS = ("f1", "f1_minus_full", "subspan_em", "cit_f1", "identical_to_fu
                  "kept_tokens", "kv_bytes_kept", "prefill_s", "decode_ms_per_token")
 
 
+def finished(path: Path, key: str) -> set:
+    """The ``key`` of every row already in the JSON-lines file ``path`` (what a resumed run skips);
+    creates ``path``'s folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return {json.loads(line)[key] for line in path.read_text().splitlines() if line} if path.exists() else set()
+
+
+def append_rows(path: Path, rows: Sequence[dict]) -> None:
+    with path.open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def read_rows(path: Path) -> list[dict]:
     rows = []
     with path.open(encoding="utf-8") as f:

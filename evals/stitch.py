@@ -26,7 +26,7 @@ from typing import Sequence
 
 from .datasets import nq_examples
 from .metrics import answer_scores, citation_scores, fidelity_scores
-from .report import bootstrap_ci
+from .report import append_rows, bootstrap_ci, finished
 
 
 def example_rows(llm, example, shares: Sequence[float], max_new_tokens: int) -> list[dict]:
@@ -50,15 +50,13 @@ def example_rows(llm, example, shares: Sequence[float], max_new_tokens: int) -> 
 
 def run(llm, examples, shares: Sequence[float], out: Path, max_new_tokens: int, progress: bool = True) -> Path:
     """Append each unfinished question's rows to ``out/rows.jsonl`` (resumable by question)."""
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "rows.jsonl"
-    done = {json.loads(line)["id"] for line in path.read_text().splitlines() if line} if path.exists() else set()
+    done = finished(path, "id")
     for n, example in enumerate(examples):
         if example.question_id in done:
             continue
         rows = example_rows(llm, example, shares, max_new_tokens)
-        with path.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        append_rows(path, rows)
         if progress:
             print(f"question {n + 1}/{len(examples)}: full prefill {rows[0]['prefill_s']:.2f} s, stitched "
                   + ", ".join(f"{r['recompute']:.2f}: {r['prefill_s']:.2f} s" for r in rows[1:]), flush=True)
@@ -68,9 +66,8 @@ def run(llm, examples, shares: Sequence[float], out: Path, max_new_tokens: int, 
 def first_token_rows(llm, examples, shares: Sequence[float], out: Path, progress: bool = True) -> Path:
     """Per question (resumable, ``out/first_token.jsonl``): the KL divergence of each stitched
     prompt's next-token distribution from the full prefill's, and whether their top token agrees."""
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "first_token.jsonl"
-    done = {json.loads(line)["id"] for line in path.read_text().splitlines() if line} if path.exists() else set()
+    done = finished(path, "id")
     for n, example in enumerate(examples):
         if example.question_id in done:
             continue
@@ -82,8 +79,7 @@ def first_token_rows(llm, examples, shares: Sequence[float], out: Path, progress
             stitched = handle.next_token_logits(example.question).double().log_softmax(-1)
             row[f"kl@{share}"] = float((full.exp() * (full - stitched)).sum())
             row[f"top1@{share}"] = float(int(full.argmax()) == int(stitched.argmax()))
-        with path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_rows(path, [row])
         if progress:
             print(f"question {n + 1}/{len(examples)}: " + ", ".join(f"{s:.2f}: KL {row[f'kl@{s}']:.3f}" for s in shares),
                   flush=True)

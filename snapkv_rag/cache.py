@@ -306,9 +306,12 @@ def compress_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, que
                                                     **scoring.as_kwargs())
         else:
             k, v, kept = compression.select(method, q, k, v, None, layer_idx, num_layers, **scoring.as_kwargs())
-        out += [LayerKV(*adaptive.trim_padding(k[b:b + 1], v[b:b + 1], kept[b:b + 1])) for b in range(k.shape[0])]
-    return [LayerKV(kv.keys, kv.values, torch.where(kv.positions >= 0, kv.positions + start - (length - real), -1))
-            for kv, start, real in zip(out, starts, lengths)]
+        out += [LayerKV(k[b:b + 1], v[b:b + 1], kept[b:b + 1] + start) for b in range(k.shape[0])]
+    if isinstance(method, AdaSnapKVConfig):  # ragged heads: empty slots stay at -1, columns no head uses go
+        return [LayerKV(*adaptive.trim_padding(kv.keys, kv.values, torch.where(kv.positions >= start,
+                                                                               kv.positions - (length - real), -1)))
+                for kv, start, real in zip(out, starts, lengths)]
+    return [LayerKV(kv.keys, kv.values, kv.positions - (length - real)) for kv, real in zip(out, lengths)]
 
 
 def compress_reread_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, query: torch.Tensor,
