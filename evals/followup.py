@@ -13,7 +13,10 @@ question of the group over the whole set. Per budget (the share of the documents
 - ``keynorm`` / ``kvzip`` / ``streaming``: query-agnostic, compressed once by
   :meth:`~snapkv_rag.SnapKVLLM.index_documents` and reused; ``keynorm-recent``: key-norm with half
   the budget given to the last documents' tokens (a recency window of ``budget // 2``), since on
-  the embedded model the tokens nearest the question carry the answer's start.
+  the embedded model the tokens nearest the question carry the answer's start. ``kvzip`` is
+  :class:`~snapkv_rag.KVzipConfig`'s default (one budget ranked over every layer and head, 4 sinks,
+  no pooling); ``kvzip-head``: the same votes with an even share per head, pooled (its first form);
+  ``kvzip-slots``: the default ranking within the bytes of the kept share (``fit="slots"``).
 
 Rows: identical to the full cache, token F1 against it, answer F1, citation F1, time to the first text
 piece and the bytes stored. The engine runs without the document prefix cache, so that ``full`` and
@@ -34,9 +37,9 @@ from typing import Any, Sequence
 
 from .datasets import nq_examples
 from .metrics import answer_scores, citation_scores, fidelity_scores
-from .report import append_rows, bootstrap_ci, finished
+from .report import append_rows, bootstrap_ci, finished, read_rows
 
-REUSED = ("snapkv-q1", "keynorm", "keynorm-recent", "kvzip", "streaming")
+REUSED = ("snapkv-q1", "keynorm", "keynorm-recent", "kvzip-head", "kvzip", "kvzip-slots", "streaming")
 METHODS = ("full", "snapkv", *REUSED)
 
 
@@ -104,8 +107,8 @@ def question_one_set(llm, documents: Sequence[dict], question: str, ratio: float
     return DocumentSet(llm, entry)
 
 
-def handles(llm, group: Group, ratio: float) -> dict[str, tuple[Any, float]]:
-    """Each reused method's handle on ``group``'s documents and the seconds it took to build."""
+def handles(llm, group: Group, ratio: float, methods: Sequence[str] = REUSED) -> dict[str, tuple[Any, float]]:
+    """Each of ``methods``' handle on ``group``'s documents and the seconds it took to build."""
     from snapkv_rag import KeyNormConfig, KVzipConfig, StreamingLLMConfig, prefix_cache
 
     probe = llm.request(group.questions[0].question, group.documents)
@@ -115,9 +118,12 @@ def handles(llm, group: Group, ratio: float) -> dict[str, tuple[Any, float]]:
               "keynorm": lambda: llm.index_documents(group.documents, method=KeyNormConfig(ratio=ratio)),
               "keynorm-recent": lambda: llm.index_documents(group.documents, method=recent),
               "kvzip": lambda: llm.index_documents(group.documents, method=KVzipConfig(ratio=ratio)),
+              "kvzip-head": lambda: llm.index_documents(group.documents, method=KVzipConfig(
+                  ratio=ratio, share="head", sink_tokens=0, kernel_size=7)),
+              "kvzip-slots": lambda: llm.index_documents(group.documents, method=KVzipConfig(ratio=ratio, fit="slots")),
               "streaming": lambda: llm.index_documents(group.documents, method=StreamingLLMConfig(ratio=ratio))}
     out = {}
-    for name, make in makers.items():
+    for name, make in ((n, makers[n]) for n in methods):
         start = time.perf_counter()
         out[name] = (make(), time.perf_counter() - start)
     return out
@@ -134,11 +140,13 @@ def ask(llm, question: str, documents, max_new_tokens: int, **options) -> tuple[
     return (first if first is not None else time.perf_counter() - start), result
 
 
-def group_rows(llm, group: Group, budgets: Sequence[float], max_new_tokens: int) -> list[dict]:
-    """Every row of one group: per question the full cache, then per budget every method."""
+def group_rows(llm, group: Group, budgets: Sequence[float], max_new_tokens: int, methods: Sequence[str] = METHODS,
+               full: dict[int, str] | None = None) -> list[dict]:
+    """One group's rows: per question the full cache (unless ``full`` gives its answers), then per
+    budget each of ``methods``."""
     from snapkv_rag import SnapKVConfig
 
-    rows, full = [], {}
+    rows, full = [], dict(full or {})
     def row(method, budget, i, ttft, result, reference, **extra):
         q = group.questions[i]
         return {"group": group.id, "question_index": i, "question": q.question, "method": method,
@@ -146,14 +154,15 @@ def group_rows(llm, group: Group, budgets: Sequence[float], max_new_tokens: int)
                 **fidelity_scores(result.text, reference), **answer_scores(result.text, q.answers),
                 **citation_scores(result.citations, q.gold), **extra}
     for i, q in enumerate(group.questions):
-        ttft, result = ask(llm, q.question, group.documents, max_new_tokens, snapkv=False)
-        full[i] = result.text
-        rows.append(row("full", 1.0, i, ttft, result, result.text))
+        if i not in full:
+            ttft, result = ask(llm, q.question, group.documents, max_new_tokens, snapkv=False)
+            full[i] = result.text
+            rows.append(row("full", 1.0, i, ttft, result, result.text))
     for budget in budgets:
-        for i, q in enumerate(group.questions):
+        for i, q in enumerate(group.questions if "snapkv" in methods else ()):
             ttft, result = ask(llm, q.question, group.documents, max_new_tokens, snapkv=SnapKVConfig(ratio=budget))
             rows.append(row("snapkv", budget, i, ttft, result, full[i]))
-        for name, (handle, build_s) in handles(llm, group, budget).items():
+        for name, (handle, build_s) in handles(llm, group, budget, [m for m in REUSED if m in methods]).items():
             for i, q in enumerate(group.questions):
                 ttft, result = ask(llm, q.question, handle, max_new_tokens)
                 rows.append(row(name, budget, i, ttft, result, full[i], build_s=build_s,
@@ -162,15 +171,21 @@ def group_rows(llm, group: Group, budgets: Sequence[float], max_new_tokens: int)
 
 
 def run(llm, todo: Sequence[Group], budgets: Sequence[float], out: Path, max_new_tokens: int,
-        progress: bool = True) -> Path:
-    """Append each unfinished group's rows to ``out/rows.jsonl`` (a group at a time: resumable)."""
+        progress: bool = True, methods: Sequence[str] = METHODS) -> Path:
+    """Append each group's rows of ``methods`` not yet in ``out/rows.jsonl`` (a group at a time:
+    resumable; a method added later runs on the groups already done, over their full answers)."""
     path = out / "rows.jsonl"
-    done = finished(path, "group")
+    finished(path, "group")
+    old = read_rows(path) if path.exists() else []
     for n, group in enumerate(todo):
-        if group.id in done:
+        mine = [r for r in old if r["group"] == group.id]
+        missing = [m for m in methods if m != "full" and not any(r["method"] == m for r in mine)]
+        full = {r["question_index"]: r["text"] for r in mine if r["method"] == "full"}
+        if not missing and len(full) == len(group.questions):
             continue
         start = time.perf_counter()
-        rows = group_rows(llm, group, budgets, max_new_tokens)
+        rows = group_rows(llm, group, budgets, max_new_tokens, missing,
+                          full if len(full) == len(group.questions) else None)
         append_rows(path, rows)
         if progress:
             print(f"group {n + 1}/{len(todo)} ({len(group.documents)} documents, {rows[0]['prompt_tokens']} tokens): "
@@ -279,8 +294,14 @@ def main(argv: list[str] | None = None, engine=None) -> int:
     p.add_argument("--out", type=Path, default=Path("evals/results/followup"))
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report-only", action="store_true", help="write the summary, README and plot from the rows so far")
+    p.add_argument("--methods", default=",".join(METHODS[1:]),
+                   help=f"comma-separated, of {', '.join(METHODS[1:])} (default all; the full cache always runs)")
     args = p.parse_args(argv)
     budgets = [float(b) for b in args.budgets.split(",")]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS[1:]]
+    if unknown or not methods:
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {', '.join(METHODS[1:])}")
     if args.groups < 1 or args.per_group < 2 or args.num_docs < 1 or not all(0 < b < 1 for b in budgets):
         raise SystemExit("--groups >= 1, --per-group >= 2, --num-docs >= 1 and budgets between 0 and 1 are needed")
     if engine is None and not args.report_only:
@@ -290,7 +311,7 @@ def main(argv: list[str] | None = None, engine=None) -> int:
     path = args.out / "rows.jsonl"
     if not args.report_only:
         run(engine, groups(args.groups, args.per_group, args.num_docs, args.seed), budgets, args.out,
-            args.max_new_tokens, not args.no_progress)
+            args.max_new_tokens, not args.no_progress, ["full", *methods])
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
     records = summarise(rows)
     table = markdown(records)

@@ -64,6 +64,21 @@ def _decode_mask(valid: torch.Tensor, query: torch.Tensor, base: str) -> torch.T
     return mask
 
 
+def _over_stored(layer, query: torch.Tensor, base: str) -> torch.Tensor | None:
+    """The mask of a prompt's tail over a stored compressed set in a full-attention layer (a prefix
+    with kept ``positions``, :mod:`snapkv_rag.doc_store`): the stored slots that hold a position
+    (a ragged layer's empty ones do not), then the tail causally. The model's own mask assumes one
+    length for every layer, which a set with per-layer budgets does not have. ``None`` otherwise."""
+    positions = getattr(layer.prefix, "positions", None)
+    if positions is None or layer.spec.window is not None:
+        return None
+    b, h_kv, _ = positions.shape
+    q = query.shape[-2]
+    held = (positions >= 0)[:, :, None, :].expand(b, h_kv, q, -1)
+    causal = torch.ones(q, q, dtype=torch.bool, device=positions.device).tril().expand(b, h_kv, q, q)
+    return _decode_mask(torch.cat([held, causal], dim=-1), query, base)
+
+
 def grouped_sdpa(module, query, key, value, mask, scaling):
     """One decode token through torch's SDPA with grouped heads and no KV head repeated: the query
     ``[B, H, 1, D]`` viewed as ``[B, H_kv, H/H_kv, D]`` (the heads sharing a KV head side by side),
@@ -87,7 +102,12 @@ def _make_wrapper(base: str):
         index = cache.attending if cache is not None else None  # (module.layer_idx: None in Zamba's shared blocks)
         layer = cache.layers[index] if cache is not None else None
         if isinstance(layer, PromptLayer):  # the prompt: attend as the model does, then compress
-            output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
+            stored = _over_stored(layer, query, base)
+            if stored is None:
+                output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
+            else:
+                function = _base_function("sdpa" if base == "flash_attention_2" else base, module)
+                output = function(module, query, key, value, stored, *args, **kwargs)
             if cache.compress is not None:
                 cache.compress(index, query, key, scoring_of(module, kwargs))
             return output

@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from . import adaptive, compression
+from . import adaptive, compression, shared_budget
 from .config import AdaSnapKVConfig, KVzipConfig, RandomConfig
 from .layer_kinds import (FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec, UnsupportedModelError,  # noqa: F401
                           layer_specs)  # (re-exported: where callers found them before)
@@ -202,6 +202,28 @@ class _Compressor:
     lengths: list[int]
     reread: int = 0
     out: dict[str, list[Compressed]] = field(default_factory=dict)
+    ranked: dict[str, dict[int, tuple]] = field(default_factory=dict)  # name -> layer -> its scores and K/V
+
+    def finish(self) -> None:
+        """The methods whose budget the layers share: rank every layer's scores together, then keep."""
+        for name, layers in self.ranked.items():
+            method, total, scores = self.out[name][0].method, 0, {}
+            for i, (prefix, k, v, start, capacity, window) in layers.items():
+                if prefix is None:  # no longer than its budget: kept whole
+                    self.out[name][0].layers[i] = LayerKV(k, v, torch.arange(k.shape[-2], device=k.device).expand(
+                        1, k.shape[1], -1) + start)
+                else:
+                    scores[i] = prefix[0]
+                    total += prefix.shape[1] * (capacity - window)
+            if not scores:
+                continue
+            counts = shared_budget.global_counts(list(scores.values()), total, method.share, method.fit)
+            for (i, prefix), count in zip(scores.items(), counts):
+                _, k, v, start, _, window = layers[i]
+                heads = k.shape[1]  # latent attention: one shared ranking, the same positions in every head
+                keys, values, kept = shared_budget.keep_counts(prefix.expand(heads, -1)[None], k, v,
+                                                               count.expand(heads), window)
+                self.out[name][0].layers[i] = LayerKV(keys, values, kept + torch.where(kept >= 0, start, 0))
 
     def __call__(self, layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
         layer = self.cache.layers[layer_idx]
@@ -212,7 +234,12 @@ class _Compressor:
             query = torch.cat([layer.prefix.queries, query], dim=-2)
         for name, method in self.methods.items():
             begin = _clock(keys)
-            if isinstance(method, KVzipConfig):
+            if isinstance(method, KVzipConfig) and method.share != "head" and layer.spec.window is None:  # ranked at the end
+                self.ranked.setdefault(name, {})[layer_idx] = reread_layer_scores(
+                    method, layer.spec, layer_idx, len(self.cache.specs), query, keys, values, vote_keys, scoring,
+                    self.reread)
+                rows = [None]
+            elif isinstance(method, KVzipConfig):
                 rows = compress_reread_layer(method, layer.spec, layer_idx, len(self.cache.specs), query, keys,
                                              values, vote_keys, scoring, self.reread)
             else:  # the prompt's part of a pass with a re-read after it, or the whole pass
@@ -248,6 +275,7 @@ def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[in
         yield compressor.out
     finally:
         cache.compress = None
+    compressor.finish()
     missed = [i for i, layer in enumerate(cache.layers) if isinstance(layer, PromptLayer) and not layer.done]
     if missed:
         raise UnsupportedModelError(
@@ -327,11 +355,30 @@ def compress_reread_layer(method, spec: LayerSpec, layer_idx: int, num_layers: i
     readers = query[:, :, length:]
     if vote_keys.shape != keys.shape:  # multi-head latent attention: one selection for every head
         kept = compression.kvzip_select(readers, voters, voters[:, :, : length - start], method, capacity=budget,
-                                        shared=True, **scoring.as_kwargs())[2][:, :1].expand(k.shape[0], k.shape[1], -1)
+                                        shared=True, sinks_from=start, **scoring.as_kwargs())[2][:, :1].expand(
+                                            k.shape[0], k.shape[1], -1)
         k, v = compression.gather_positions(k, kept), compression.gather_positions(v, kept)
     else:
-        k, v, kept = compression.kvzip_select(readers, voters, v, method, capacity=budget, **scoring.as_kwargs())
+        k, v, kept = compression.kvzip_select(readers, voters, v, method, capacity=budget, sinks_from=start,
+                                              **scoring.as_kwargs())
     return [LayerKV(k, v, kept + start)]
+
+
+def reread_layer_scores(method, spec: LayerSpec, layer_idx: int, num_layers: int, query: torch.Tensor,
+                        keys: torch.Tensor, values: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring,
+                        reread: int) -> tuple:
+    """One layer under KVzip with a shared budget, before the ranking: ``(prefix scores [1, H_kv or 1,
+    n] or None when the layer's share fits its budget, keys, values, start, budget, window)``."""
+    length = keys.shape[-2] - reread
+    start = length - (length if spec.window is None else min(length, spec.window - 1))
+    budget = method.budget_for_layer(layer_idx, num_layers)
+    voters, k, v = vote_keys[:, :, start:], keys[:, :, start:length], values[:, :, start:length]
+    if length - start <= budget:
+        return None, k, v, start, budget, 0
+    window = min(method.window_size, length - start)
+    prefix = compression.kvzip_scores(query[:, :, length:], voters, length - start, method,
+                                      shared=vote_keys.shape != keys.shape, sinks_from=start, **scoring.as_kwargs())
+    return prefix, k, v, start, budget, window
 
 
 def _clock(tensor: torch.Tensor) -> float:

@@ -93,7 +93,7 @@ def _compression(args) -> dict:
     given = {name: getattr(args, name) for name in COMPRESSION_DEFAULTS if getattr(args, name) is not None}
     if getattr(args, "full", False) and given:
         _note("--full keeps the whole cache: " + ", ".join(f"--{n} {v}" for n, v in given.items()) + " ignored")
-    return {**COMPRESSION_DEFAULTS, **given}
+    return {**COMPRESSION_DEFAULTS, **given, "given": set(given)}
 
 
 def budget_value(text: str) -> int | float:
@@ -114,9 +114,11 @@ def _snapkv(budget: int | float, settings: dict) -> SnapKVConfig:
     size = {"ratio": budget} if isinstance(budget, float) else {"max_capacity_prompt": budget}
     method = {"docsnapkv": DocSnapKVConfig, "adasnapkv": AdaSnapKVConfig, "keynorm": KeyNormConfig,
               "kvzip": KVzipConfig}.get(settings["method"], SnapKVConfig)
+    shape = {"window_size": settings["window"], "kernel_size": settings["kernel"], "pooling": settings["pooling"]}
+    if method is KVzipConfig and "kernel" not in settings.get("given", ()):
+        del shape["kernel_size"]  # its own default (no pooling), unless --kernel says otherwise
     try:
-        return method(**size, window_size=settings["window"], kernel_size=settings["kernel"],
-                            pooling=settings["pooling"])
+        return method(**size, **shape)
     except ValueError as error:
         raise UsageError(in_flag_words(str(error))) from error
 
@@ -244,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "whatever the question; kvzip: what the model attends to when it re-reads the prompt, "
                         "whatever the question (a second prefill's cost) (default snapkv)")
     common.add_argument("--window", type=int, default=None, help="observation window (default 32)")
-    common.add_argument("--kernel", type=int, default=None, help="pooling kernel, odd (default 7)")
+    common.add_argument("--kernel", type=int, default=None, help="pooling kernel, odd (default 7; kvzip: 1, no pooling)")
     common.add_argument("--pooling", default=None, choices=("max", "avg"), help="(default max)")
     common.add_argument("--full", action="store_true", help="no compression: the full cache")
     common.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit (default 64)")

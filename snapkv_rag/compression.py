@@ -289,8 +289,8 @@ def reread_scores(reread_query: torch.Tensor, key_states: torch.Tensor, prompt_l
 
 
 def kvzip_select(reread_query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-                 config: KVzipConfig, *, capacity: int | None = None, shared: bool = False, **scoring
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 config: KVzipConfig, *, capacity: int | None = None, shared: bool = False, sinks_from: int = 0,
+                 **scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KVzip-style selection (:class:`KVzipConfig`) of one prompt of ``value_states.shape[-2]``
     positions: ``key_states`` hold the prompt's keys and then the re-read's (see
     :func:`reread_scores`); returns the prompt's kept ``(keys, values, kept_positions)``."""
@@ -300,11 +300,26 @@ def kvzip_select(reread_query: torch.Tensor, key_states: torch.Tensor, value_sta
     if length <= capacity:
         return keep_top(prompt_keys.new_zeros(()), prompt_keys, value_states, capacity, 0)
     window = min(config.window_size, length)
+    pooled = kvzip_scores(reread_query, key_states, length, config, shared=shared, sinks_from=sinks_from, **scoring)
+    if shared:
+        prompt_keys, value_states = prompt_keys[:, :1], value_states[:, :1]
+    return keep_top(pooled, prompt_keys, value_states, capacity, window)
+
+
+def kvzip_scores(reread_query: torch.Tensor, key_states: torch.Tensor, length: int, config: KVzipConfig, *,
+                 shared: bool = False, sinks_from: int = 0, **scoring) -> torch.Tensor:
+    """KVzip's pooled prefix scores ``[B, H_kv (1 if shared), length - window]`` (see
+    :func:`reread_scores`), the first ``config.sink_tokens`` prompt positions at ``inf`` (the prefix
+    starts at prompt position ``sinks_from``: a sliding layer's share)."""
+    window = min(config.window_size, length)
     scores = reread_scores(reread_query, key_states, length, chunk=config.chunk, **scoring)[..., : length - window]
     if shared:
-        scores, prompt_keys, value_states = scores.mean(dim=1, keepdim=True), prompt_keys[:, :1], value_states[:, :1]
-    pooled = pool_votes(scores, config.kernel_size, config.pooling)
-    return keep_top(pooled, prompt_keys, value_states, capacity, window)
+        scores = scores.mean(dim=1, keepdim=True)
+    pooled = pool_votes(scores, config.kernel_size, config.pooling).float()
+    sinks = max(0, config.sink_tokens - sinks_from)
+    if sinks:
+        pooled[..., :sinks] = float("inf")
+    return pooled
 
 
 def streaming_select(key_states: torch.Tensor, value_states: torch.Tensor, config: StreamingLLMConfig,

@@ -1,7 +1,8 @@
 """Compression settings: one small dataclass per method, validated on construction.
 
-Every method keeps, per (batch row, KV head), the same number of prompt positions, so the
-compressed cache is an ordinary dense tensor of shape [B, H_kv, C, D]. The methods differ only in
+Most methods keep, per (batch row, KV head), the same number of prompt positions, so the
+compressed cache is an ordinary dense tensor of shape [B, H_kv, C, D] (head-adaptive SnapKV and
+KVzip's shared budget are ragged: padded, their empty slots masked). The methods differ only in
 how they score the prefix positions; the selection itself lives in :mod:`snapkv_rag.compression`.
 """
 
@@ -204,17 +205,32 @@ class KeyNormConfig(SnapKVConfig):
 
 @dataclass(frozen=True)
 class KVzipConfig(SnapKVConfig):
-    """KVzip-style selection (Kim et al. 2025): query-agnostic, the model votes by re-reading. After
-    the prompt, the model is run over a "repeat the previous context" instruction followed by the
-    prompt again (in the same forward pass; nothing of that pass is kept or decoded); each head keeps
-    the prompt positions that the re-reading queries attend to most (the maximum over those queries
-    and over the query heads sharing the KV head, in chunks of ``chunk`` queries), pooled with
-    ``kernel_size``, plus the last ``window_size`` positions. What the documents need to be rebuilt
-    is kept, whatever the question. It costs a second prompt's worth of prefill. Not for models with
-    recurrent layers (the re-read would run through their state).
+    """KVzip (Kim et al. 2025): query-agnostic, the model votes by re-reading. After the prompt, the
+    model is run over a "repeat the previous context" instruction followed by the prompt again (in
+    the same forward pass; nothing of that pass is kept or decoded); each prompt position scores the
+    largest weight the re-reading queries give it (the maximum over those queries and over the
+    query heads sharing the KV head, in chunks of ``chunk`` queries), pooled with ``kernel_size``
+    (default 1: none). What the documents need to be rebuilt is kept, whatever the question. It
+    costs a second prompt's worth of prefill. Not for models with recurrent layers (the re-read
+    would run through their state).
+
+    ``share`` says who shares the budget (:mod:`snapkv_rag.shared_budget`). ``"model"`` (default,
+    the paper's): every position of every layer and KV head is ranked together and the best ones
+    kept, as many as the even split would keep in all (``fit="positions"``), plus the last
+    ``window_size`` positions; heads then hold different counts, and each layer is stored padded
+    to its widest head, so the cache holds more bytes than the kept share (``Compressed.kv_bytes``
+    says how many). ``fit="slots"``: the best positions that fit the even split's slots once padded
+    (the kept share's bytes, fewer positions). ``"layer"``: the same ranking's count per layer,
+    split evenly between its heads; ``"head"``: every head of every layer the same count (both
+    dense). A shared ranking holds every layer's full K/V until the pass ends. ``sink_tokens``: the
+    first positions, always kept (attention sinks).
     """
 
+    kernel_size: int = 1
     chunk: int = 512
+    share: str = "model"
+    sink_tokens: int = 4
+    fit: str = "positions"
 
     method = "kvzip"
 
@@ -222,6 +238,11 @@ class KVzipConfig(SnapKVConfig):
         super().__post_init__()
         _require(isinstance(self.chunk, int) and self.chunk > 0, "chunk",
                  f"must be a positive integer, got {self.chunk!r}")
+        _require(self.share in ("head", "layer", "model"), "share",
+                 f"must be 'head', 'layer' or 'model', got {self.share!r}")
+        _require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0, "sink_tokens",
+                 f"must be a non-negative integer, got {self.sink_tokens!r}")
+        _require(self.fit in ("positions", "slots"), "fit", f"must be 'positions' or 'slots', got {self.fit!r}")
 
 
 @dataclass(frozen=True)

@@ -45,3 +45,16 @@ def capture_caches(model):
         seen.append([layer.get_seq_length() for layer in cache.layers] if cache is not None and cache.layers else [])
 
     return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def poisoning_empty_slots(select, seen: list):
+    """``select`` (a function returning ``(keys, values, kept_positions)``) with every empty slot
+    (position < 0) filled with huge keys and values; appends the count of empty slots to ``seen``."""
+
+    def poisoned(*args, **kwargs):
+        keys, values, kept = select(*args, **kwargs)
+        empty = (kept < 0)[..., None]
+        seen.append(int(empty.sum()))
+        return keys.masked_fill(empty, 1e4), values.masked_fill(empty, -1e4), kept
+
+    return poisoned

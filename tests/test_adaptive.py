@@ -10,7 +10,7 @@ import torch
 from snapkv_rag import AdaSnapKVConfig, SnapKVConfig, adaptive
 from snapkv_rag.adaptive import EMPTY, ada_snapkv_select, head_counts, trim_padding
 
-from snapkv_testing import filler_documents
+from snapkv_testing import filler_documents, poisoning_empty_slots
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUESTION = "Which harbour lies north?"
@@ -53,15 +53,8 @@ def test_empty_slots_are_never_attended(tiny_engine, monkeypatch):
     """Filling the empty slots with huge keys and values changes nothing: they are masked."""
     config = AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0)
     clean = tiny_engine.generate(QUESTION, DOCS, snapkv=config, max_new_tokens=12, ignore_eos=True)
-    real, seen = adaptive.ada_snapkv_select, []
-
-    def poisoned(*args, **kwargs):
-        keys, values, kept = real(*args, **kwargs)
-        empty = (kept < 0)[..., None]
-        seen.append(int(empty.sum()))
-        return keys.masked_fill(empty, 1e4), values.masked_fill(empty, -1e4), kept
-
-    monkeypatch.setattr(adaptive, "ada_snapkv_select", poisoned)
+    seen = []
+    monkeypatch.setattr(adaptive, "ada_snapkv_select", poisoning_empty_slots(adaptive.ada_snapkv_select, seen))
     dirty = tiny_engine.generate(QUESTION, DOCS, snapkv=config, max_new_tokens=12, ignore_eos=True)
     assert sum(seen) > 0  # some heads did hold fewer slots than others
     assert dirty.raw_text == clean.raw_text

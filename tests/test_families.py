@@ -231,6 +231,7 @@ def test_compare_equals_generate_for_every_method(family):
                "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0)}
     if not any(spec.state for spec in llm.runner.specs):  # (refused with recurrent layers: test_query_agnostic)
         methods["kvzip"] = KVzipConfig(max_capacity_prompt=64, window_size=8)
+        methods["kvzip-model"] = KVzipConfig(max_capacity_prompt=64, window_size=8, share="model", sink_tokens=2)
     docs = filler_documents(4)
     both = llm.compare(QUESTION, docs, methods=methods, max_new_tokens=10)
     for name, config in methods.items():

@@ -59,3 +59,15 @@ def test_rows_for_every_method_resume_and_summary(tiny, tmp_path):
     assert "| keynorm | 50% |" in followup.markdown(records)
     assert followup.plot(records, tmp_path / "f.png").stat().st_size > 1000
     assert "of 1 groups" in followup.readme(rows, records, "python -m evals.followup", 1)
+
+
+def test_a_method_added_later_runs_on_the_groups_already_done(tiny, tmp_path):
+    todo = followup.groups(1, 2, 2, seed=0)
+    path = followup.run(tiny, todo, [0.5], tmp_path, max_new_tokens=4, progress=False, methods=["full", "streaming"])
+    first = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(r["method"] for r in first) == ["full", "full", "streaming", "streaming"]
+    followup.run(tiny, todo, [0.5], tmp_path, max_new_tokens=4, progress=False, methods=["full", "streaming", "kvzip"])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[:4] == first and sorted(r["method"] for r in rows[4:]) == ["kvzip", "kvzip"]  # no full rerun
+    full = {r["question_index"]: r["text"] for r in first if r["method"] == "full"}
+    assert all(r["identical_to_full"] == float(r["text"] == full[r["question_index"]]) for r in rows[4:])

@@ -148,7 +148,11 @@ def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | 
     if method is not None:
         if method not in METHODS:
             raise bad("snapkv.method", f"must be one of {', '.join(METHODS)}, got {json.dumps(method)}")
-        base = METHODS[method](**{f.name: getattr(base, f.name) for f in fields_of(SnapKVConfig)})
+        # the server's settings carry over, except those left at SnapKV's defaults: the method's own apply
+        plain = SnapKVConfig()
+        base = METHODS[method](**{f.name: getattr(base, f.name) for f in fields_of(SnapKVConfig)
+                                  if f.name in ("max_capacity_prompt", "ratio")
+                                  or getattr(base, f.name) != getattr(plain, f.name)})
     budget = fields.pop("budget", None)
     if isinstance(budget, str) and budget.endswith("%"):
         try:
