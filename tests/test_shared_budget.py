@@ -11,7 +11,7 @@ from snapkv_rag import KVzipConfig, SnapKVLLM, shared_budget
 from snapkv_rag.adaptive import EMPTY
 from snapkv_rag.shared_budget import global_counts, keep_counts
 
-from snapkv_testing import filler_documents, poisoning_empty_slots, tiny_llama
+from snapkv_testing import filler_documents, poisoning_empty_slots
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUESTIONS = ["What lies north?", "Which castle is number 40?"]
@@ -135,3 +135,13 @@ def test_a_model_with_sliding_layers_ranks_its_full_layers_only(tokenizer):
     assert result.usage.completion_tokens == 6
     specs = llm.runner.specs
     assert any(s.window is not None for s in specs) and any(s.window is None for s in specs)
+
+
+def test_latent_attention_ranks_one_shared_selection(tokenizer):
+    from families import tiny_model as family_model
+
+    llm = SnapKVLLM(model=family_model("deepseek-v3", len(tokenizer)), tokenizer=tokenizer, max_new_tokens=6)
+    layers = llm.runner.prefill([list(llm.request(QUESTIONS[0], DOCS).input_ids)], {"": MODEL}).compressed[""][0].layers
+    for kv in layers:  # one selection, the same in every head
+        assert (kv.positions == kv.positions[:, :1]).all()
+    assert llm.generate(QUESTIONS[0], DOCS, snapkv=MODEL, ignore_eos=True).usage.completion_tokens == 6
