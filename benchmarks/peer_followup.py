@@ -127,8 +127,8 @@ def main() -> None:
     eos_config = llm.model.generation_config.eos_token_id
     eos = sorted({llm.tokenizer.eos_token_id, *([eos_config] if isinstance(eos_config, int) else eos_config or [])}
                  - {None})
-    worker = KVPressWorker(args.kvpress_python, model_dir, None)
     todo = [g for g in groups(args.groups, 3, 5, 0) if g.id in finished and g.id not in done][:args.limit]
+    worker = KVPressWorker(args.kvpress_python, model_dir, None) if todo else None  # none: the summary only
     try:
         for group in todo:
             rows = peer_rows(llm, worker, group, args.budgets, args.max_new_tokens, eos)
@@ -137,7 +137,8 @@ def main() -> None:
             peers += rows
             print(f"{group.id}: done", flush=True)
     finally:
-        worker.close()
+        if worker is not None:
+            worker.close()
     text = summary(ours, peers, args.budgets)
     (args.out / "summary.md").write_text(text)
     print(text)
