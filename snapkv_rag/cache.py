@@ -208,6 +208,7 @@ class _Compressor:
         """The methods whose budget the layers share: rank every layer's scores together, then keep."""
         for name, layers in self.ranked.items():
             method, total, scores = self.out[name][0].method, 0, {}
+            begin = time.perf_counter()
             for i, (prefix, k, v, start, capacity, window) in layers.items():
                 if prefix is None:  # no longer than its budget: kept whole
                     self.out[name][0].layers[i] = LayerKV(k, v, torch.arange(k.shape[-2], device=k.device).expand(
@@ -224,6 +225,7 @@ class _Compressor:
                 keys, values, kept = shared_budget.keep_counts(prefix.expand(heads, -1)[None], k, v,
                                                                count.expand(heads), window)
                 self.out[name][0].layers[i] = LayerKV(keys, values, kept + torch.where(kept >= 0, start, 0))
+            self.out[name][0].selection_s += _clock(keys) - begin
 
     def __call__(self, layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
         layer = self.cache.layers[layer_idx]
