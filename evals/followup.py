@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 from .datasets import nq_examples
 from .metrics import answer_scores, citation_scores, fidelity_scores
-from .report import append_rows, bootstrap_ci, finished, read_rows
+from .report import append_rows, bootstrap_ci, read_rows
 
 REUSED = ("snapkv-q1", "keynorm", "keynorm-recent", "kvzip-head", "kvzip", "kvzip-slots", "streaming")
 METHODS = ("full", "snapkv", *REUSED)
@@ -175,7 +175,7 @@ def run(llm, todo: Sequence[Group], budgets: Sequence[float], out: Path, max_new
     """Append each group's rows of ``methods`` not yet in ``out/rows.jsonl`` (a group at a time:
     resumable; a method added later runs on the groups already done, over their full answers)."""
     path = out / "rows.jsonl"
-    finished(path, "group")
+    path.parent.mkdir(parents=True, exist_ok=True)
     old = read_rows(path) if path.exists() else []
     for n, group in enumerate(todo):
         mine = [r for r in old if r["group"] == group.id]

@@ -52,10 +52,19 @@ def ada_snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, valu
     per_head = capacity - window
     order = best_positions(pooled, pooled.shape[-1])  # [B, H, n]: each head's positions, best first
     counts = head_counts(pooled.gather(-1, order), per_head, int(config.floor * per_head))
-    widest = int(counts.max())
+    return keep_ranked(order, key_states, value_states, counts, window)
+
+
+def keep_ranked(order: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, counts: torch.Tensor,
+                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each head's first ``counts`` ``[B, H]`` positions of its ranking ``order`` ``[B, H, >= max
+    count]`` (best first) plus the last ``window`` positions, as ``(keys, values, kept_positions)``
+    padded to the widest head: a head's unused slots first, at :data:`EMPTY` with zero K/V."""
+    b, h, length, _ = key_states.shape
+    widest = int(counts.max()) if counts.numel() else 0
     top = order[..., :widest]
     rank = torch.arange(widest, device=top.device)
-    top = torch.where(rank < counts[..., None], top, EMPTY)
+    top = torch.where(rank < counts.to(top.device)[..., None], top, EMPTY)
     recent = torch.arange(length - window, length, device=top.device).expand(b, h, window)
     kept = torch.cat([top, recent], dim=-1).sort(dim=-1).values  # the empty slots first
     empty = (kept < 0)[..., None]

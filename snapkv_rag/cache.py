@@ -209,23 +209,22 @@ class _Compressor:
         for name, layers in self.ranked.items():
             method, total, scores = self.out[name][0].method, 0, {}
             begin = time.perf_counter()
-            for i, (prefix, k, v, start, capacity, window) in layers.items():
+            for i, (prefix, k, v, window, share) in layers.items():
                 if prefix is None:  # no longer than its budget: kept whole
                     self.out[name][0].layers[i] = LayerKV(k, v, torch.arange(k.shape[-2], device=k.device).expand(
-                        1, k.shape[1], -1) + start)
+                        1, k.shape[1], -1))
                 else:
                     scores[i] = prefix[0]
-                    total += prefix.shape[1] * (capacity - window)
+                    total += share
             if not scores:
                 continue
             counts = shared_budget.global_counts(list(scores.values()), total, method.share, method.fit)
             for (i, prefix), count in zip(scores.items(), counts):
-                _, k, v, start, _, window = layers[i]
+                _, k, v, window, _ = layers[i]
                 heads = k.shape[1]  # latent attention: one shared ranking, the same positions in every head
-                keys, values, kept = shared_budget.keep_counts(prefix.expand(heads, -1)[None], k, v,
-                                                               count.expand(heads), window)
-                self.out[name][0].layers[i] = LayerKV(keys, values, kept + torch.where(kept >= 0, start, 0))
-            self.out[name][0].selection_s += _clock(keys) - begin
+                self.out[name][0].layers[i] = LayerKV(*shared_budget.keep_counts(
+                    prefix.expand(heads, -1)[None], k, v, count.expand(heads), window))
+            self.out[name][0].selection_s += _clock(k) - begin
 
     def __call__(self, layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
         layer = self.cache.layers[layer_idx]
@@ -238,8 +237,7 @@ class _Compressor:
             begin = _clock(keys)
             if isinstance(method, KVzipConfig) and method.share != "head" and layer.spec.window is None:  # ranked at the end
                 self.ranked.setdefault(name, {})[layer_idx] = reread_layer_scores(
-                    method, layer.spec, layer_idx, len(self.cache.specs), query, keys, values, vote_keys, scoring,
-                    self.reread)
+                    method, layer_idx, len(self.cache.specs), query, keys, values, vote_keys, scoring, self.reread)
                 rows = [None]
             elif isinstance(method, KVzipConfig):
                 rows = compress_reread_layer(method, layer.spec, layer_idx, len(self.cache.specs), query, keys,
@@ -366,21 +364,21 @@ def compress_reread_layer(method, spec: LayerSpec, layer_idx: int, num_layers: i
     return [LayerKV(k, v, kept + start)]
 
 
-def reread_layer_scores(method, spec: LayerSpec, layer_idx: int, num_layers: int, query: torch.Tensor,
+def reread_layer_scores(method, layer_idx: int, num_layers: int, query: torch.Tensor,
                         keys: torch.Tensor, values: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring,
                         reread: int) -> tuple:
-    """One layer under KVzip with a shared budget, before the ranking: ``(prefix scores [1, H_kv or 1,
-    n] or None when the layer's share fits its budget, keys, values, start, budget, window)``."""
+    """One full-attention layer under KVzip with a shared budget, before the ranking: ``(prefix scores
+    [1, H_kv or 1, n] or None when the prompt fits the layer's budget, keys, values, window, the
+    positions an even split would keep outside the window)``."""
     length = keys.shape[-2] - reread
-    start = length - (length if spec.window is None else min(length, spec.window - 1))
     budget = method.budget_for_layer(layer_idx, num_layers)
-    voters, k, v = vote_keys[:, :, start:], keys[:, :, start:length], values[:, :, start:length]
-    if length - start <= budget:
-        return None, k, v, start, budget, 0
-    window = min(method.window_size, length - start)
-    prefix = compression.kvzip_scores(query[:, :, length:], voters, length - start, method,
-                                      shared=vote_keys.shape != keys.shape, sinks_from=start, **scoring.as_kwargs())
-    return prefix, k, v, start, budget, window
+    k, v = keys[:, :, :length], values[:, :, :length]
+    if length <= budget:
+        return None, k, v, 0, 0
+    window = min(method.window_size, length)
+    prefix = compression.kvzip_scores(query[:, :, length:], vote_keys, length, method,
+                                      shared=vote_keys.shape != keys.shape, **scoring.as_kwargs())
+    return prefix, k, v, window, prefix.shape[1] * (budget - window)
 
 
 def _clock(tensor: torch.Tensor) -> float:

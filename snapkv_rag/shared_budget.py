@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .adaptive import EMPTY
-from .compression import best_positions, gather_positions
+from .adaptive import keep_ranked
+from .compression import best_positions
 
 SHARES = ("head", "layer", "model")
 
@@ -57,19 +57,9 @@ def keep_counts(scores: torch.Tensor, key_states: torch.Tensor, value_states: to
                 window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer of one prompt: each head's ``counts[h]`` best-scored prefix positions (``scores``
     ``[1, H, L - window]``) plus the last ``window`` positions of ``key_states`` / ``value_states``
-    ``[1, H, L, D]``. Returns ``(keys, values, kept_positions)`` padded to the widest head, a head's
-    unused slots first at :data:`EMPTY` with zero K/V (all heads equal: no padding)."""
-    _, h, length, _ = key_states.shape
+    ``[1, H, L, D]``, padded to the widest head (:func:`~snapkv_rag.adaptive.keep_ranked`)."""
     widest = int(counts.max()) if counts.numel() else 0
-    top = best_positions(scores.float(), widest)  # [1, H, widest]
-    rank = torch.arange(widest, device=top.device)
-    top = torch.where(rank < counts.to(top.device)[None, :, None], top, EMPTY)
-    recent = torch.arange(length - window, length, device=top.device).expand(1, h, window)
-    kept = torch.cat([top, recent], dim=-1).sort(dim=-1).values
-    empty = (kept < 0)[..., None]
-    keys = gather_positions(key_states, kept.clamp(min=0)).masked_fill(empty, 0)
-    values = gather_positions(value_states, kept.clamp(min=0)).masked_fill(empty, 0)
-    return keys, values, kept
+    return keep_ranked(best_positions(scores.float(), widest), key_states, value_states, counts[None], window)
 
 
 def padded_fit(order: torch.Tensor, shapes: list[torch.Size], slots: int) -> int:
