@@ -27,7 +27,6 @@ import weakref
 from typing import Any, Mapping, Sequence
 
 import torch
-import xgrammar
 
 ANY_OBJECT = {"type": "object", "additionalProperties": True}  # {"type": "json_object"}: any JSON object
 CLOSERS = ('"', "}", "]", "0", "n", "f", "[", "{")
@@ -36,6 +35,17 @@ smallest value of the kind the grammar wants (a string, a number, null, false, a
 LOOKAHEAD = 256
 """Tokens left below which a constraint works out its closing path (above it, no answer's is that long)."""
 _REASON_PREFIX = re.compile(r'^"?(\[[0-9:]+\] )?\S+\.cc:[0-9]+: ')
+
+
+def _xgrammar():
+    """xgrammar, imported on first use: the engine runs without it (e.g. a GPU image that lacks it);
+    only a request with ``response_format`` or tools needs it."""
+    try:
+        import xgrammar
+    except ImportError as error:
+        raise ImportError("structured output (response_format, tools) needs xgrammar: "
+                          "pip install xgrammar==0.2.9") from error
+    return xgrammar
 
 
 class SchemaError(ValueError):
@@ -84,7 +94,7 @@ class Constraint:
 
     def __init__(self, compiled: CompiledFormat, budget: int | None = None):
         self.format, self.budget, self.accepted = compiled, budget, 0
-        self.matcher = xgrammar.GrammarMatcher(compiled.grammar, override_stop_tokens=compiled.stop_ids)
+        self.matcher = _xgrammar().GrammarMatcher(compiled.grammar, override_stop_tokens=compiled.stop_ids)
 
     def accept(self, token_id: int) -> None:
         if self.matcher.is_terminated():
@@ -159,7 +169,7 @@ def _keep_only(logits: torch.Tensor, row: int, ids: list[int]) -> None:
 
 def _apply(logits: torch.Tensor, rows: list[int], constraints: Sequence[Constraint | None]) -> None:
     vocab = min(constraints[rows[0]].format.vocab_size, logits.shape[-1])
-    bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], vocab)
+    bitmask = _xgrammar().allocate_token_bitmask(logits.shape[0], vocab)
     for row in rows:
         constraints[row].matcher.fill_next_token_bitmask(bitmask, row)
     if logits.shape[-1] > vocab:
@@ -168,10 +178,10 @@ def _apply(logits: torch.Tensor, rows: list[int], constraints: Sequence[Constrai
     backend = "cpu" if logits.device.type == "cpu" and logits.dtype == torch.float32 else "torch_native"
     view = logits[:, :vocab]
     if view.is_contiguous():
-        xgrammar.apply_token_bitmask_inplace(view, bitmask.to(logits.device), indices=rows, backend=backend)
+        _xgrammar().apply_token_bitmask_inplace(view, bitmask.to(logits.device), indices=rows, backend=backend)
     else:
         part = view.contiguous()
-        xgrammar.apply_token_bitmask_inplace(part, bitmask.to(logits.device), indices=rows, backend=backend)
+        _xgrammar().apply_token_bitmask_inplace(part, bitmask.to(logits.device), indices=rows, backend=backend)
         view.copy_(part)
 
 
@@ -188,13 +198,13 @@ class _Compilers:
             entries = self.by_tokenizer.setdefault(tokenizer, {})
             key = (vocab_size, stop_ids)
             if key not in entries:
-                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                info = _xgrammar().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                stop_token_ids=list(stop_ids))
                 by_bytes: dict[bytes, list[int]] = {}
                 for token_id, text in enumerate(info.decoded_vocab):
                     if text and token_id not in stop_ids:
                         by_bytes.setdefault(text, []).append(token_id)
-                entries[key] = (xgrammar.GrammarCompiler(info, max_threads=1), {}, by_bytes)
+                entries[key] = (_xgrammar().GrammarCompiler(info, max_threads=1), {}, by_bytes)
             return entries[key]
 
 

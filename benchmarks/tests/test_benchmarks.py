@@ -40,6 +40,15 @@ HIDE_INSTALLED = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_pa
                   "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
+# Packages the project installs that the GPU image lacks (its package list: benchmarks/README.md, GPU):
+# every process of the check below fails to import them, as it would there.
+GPU_IMAGE_ABSENT = ("xgrammar", "gguf", "pydantic", "rank_bm25", "fastapi", "uvicorn", "langchain_core", "llama_index")
+ABSENT_ON_IMAGE = f"""import sys
+
+sys.modules.update(dict.fromkeys({GPU_IMAGE_ABSENT!r}))  # None: `import` fails, find_spec finds nothing
+"""
+
+
 def _copied_tree(tmp_path: Path) -> Path:
     root = HERE.parent
     files = subprocess.run(["git", "ls-files", "pyproject.toml", "snapkv_rag", "benchmarks", "evals", "tests"], cwd=root, check=True,
@@ -54,11 +63,17 @@ def _copied_tree(tmp_path: Path) -> Path:
 
 def test_gpu_check_runs_from_a_copied_tree_without_the_package(tmp_path: Path) -> None:
     tree, out = _copied_tree(tmp_path), tmp_path / "out"
-    env = {**ENV, "PYTHONPATH": "."}
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "sitecustomize.py").write_text(ABSENT_ON_IMAGE)
+    # no third-party pytest plugins: the ones installed here (langsmith's needs pydantic) are not there
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([".", str(image)]), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     probe = subprocess.run([sys.executable, "-c", HIDE_INSTALLED.replace("runpy.run_path(sys.argv[0], "
                             "run_name='__main__')", "import snapkv_rag; print(snapkv_rag.__file__)"), "x"],
                            cwd=tree, env=env, capture_output=True, text=True, check=True)
     assert probe.stdout.strip().startswith(str(tree))  # the copy's package, not the installed one
+    absent = subprocess.run([sys.executable, "-c", "import xgrammar"], cwd=tree, env=env, capture_output=True, text=True)
+    assert absent.returncode != 0 and "ModuleNotFoundError" in absent.stderr
     subprocess.run([sys.executable, "-c", HIDE_INSTALLED, "benchmarks/gpu_check.py", str(out), "--tiny",
                     "--device", "cpu", "--time-budget-s", "400", "--tests-k", "budget_above_prompt",
                     "--grid-share", "0.85", "--tests-s", "100"],
