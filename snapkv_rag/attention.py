@@ -87,7 +87,9 @@ def grouped_sdpa(module, query, key, value, mask, scaling):
     grouped = query.reshape(b, key.shape[1], heads // key.shape[1], query.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(
         grouped, key, value, attn_mask=mask, scale=scaling if scaling is not None else module.scaling)
-    return out.view(b, 1, heads, value.shape[-1]), None
+    # [B, H_kv, H/H_kv, D] -> [B, 1, H, D]; a copy only where the kernel's output is not contiguous
+    # (CUDA float32 picks such a kernel)
+    return out.reshape(b, 1, heads, value.shape[-1]), None
 
 
 def _plain(kwargs: dict, query, key, value) -> bool:

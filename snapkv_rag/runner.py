@@ -268,6 +268,10 @@ class Runner:
         if step is None:
             for old in [k for k in self._steps if k[0] == id(slots) and k[1] != slots.generation]:
                 del self._steps[old]  # a graph of buffers since reallocated
+            if not self._steps:
+                # no graph left on the pool: once the last one is freed, the allocator retires its pool,
+                # and capturing into that pool's handle again fails an internal assert; take a fresh one
+                self._pool = None
             what = f"decode step for {b} rows x {slots.capacity} slots"
             if self.device.type == "cuda" and self.compile is True:
                 begin = time.perf_counter()
