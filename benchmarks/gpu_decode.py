@@ -150,7 +150,8 @@ class Run:
 
     def model(self, name: str, shape: dict, dtype: torch.dtype, compile_mode) -> dict:
         """Every cell of one model. The batch grid runs every method at one size before the next
-        (complete cells first), its two engines side by side; the concurrent run goes engine by
+        (complete cells first), the graph engine made anew for each size and closed after it (the
+        eager one gives its buffers back after every request); the concurrent run goes engine by
         engine, closing each before the next starts, so that only one holds its buffers."""
         args, device = self.args, self.device
         entry: dict = {"shape": shape, "cells": []}
@@ -182,7 +183,9 @@ class Run:
                     throughput(entry["cells"])
                     self.results.write()
                     print(f"  {name} {size} x{batch} {method}: {describe(cell[method])}", flush=True)
-            if args.concurrent and (i + 1 == len(order) or order[i + 1][0] != kind):
+            # the graph engine keeps its slot buffers for every row between requests (its graphs use
+            # them): closed after its cells, so that no later cell's memory includes them
+            if (args.concurrent or kind == "graph") and (i + 1 == len(order) or order[i + 1][0] != kind):
                 engines.pop(kind).close()
                 device.clean()
         if not args.no_longest and not args.concurrent:

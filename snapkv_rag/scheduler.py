@@ -265,7 +265,9 @@ class Scheduler:
                 self.slots = self.runner.new_slots(self.max_batch)
                 self.sampling = SamplingSlots(self.slots.max_rows, self.runner.device)
             row = self.slots.free_row()
-            self.slots.join(row, compressed, room=job.sampling.max_new_tokens, token=token)
+            # a lone request's prefill is its own: each layer is let go once written into the row
+            self.slots.join(row, compressed, room=job.sampling.max_new_tokens, token=token,
+                            consume=job.group is None and job.request.stored is None)
         except Exception as error:  # noqa: BLE001 - handed to the caller, who raises it
             job.ticket.put(_ERROR, error)
             return

@@ -131,21 +131,36 @@ class SlotCache(LayerTrackingCache):
         """The lowest row no request holds, ``None`` when all ``max_rows`` are taken."""
         return next((row for row in range(self.max_rows) if row not in self.held), None)
 
-    def join(self, row: int, compressed: Compressed, room: int, token: int) -> None:
+    def join(self, row: int, compressed: Compressed, room: int, token: int, consume: bool = False) -> None:
         """Write ``compressed`` into ``row`` with ``room`` slots to decode into; ``token`` (sampled
-        from the prompt's logits) is what the row's first step feeds."""
-        held = [layer.slots for layer in compressed.layers if isinstance(layer, LayerKV)]
+        from the prompt's logits) is what the row's first step feeds. ``consume``: ``compressed`` is
+        the caller's alone (no other request shares its prefill), so each layer is dropped from it as
+        soon as it is written, and a long prompt's prefilled cache and its row are never both held
+        whole. If the buffers cannot grow (out of memory), the cache is left as it was: the rows in
+        use go on, and with none in use the memory is given back."""
+        kvs = [i for i, layer in enumerate(compressed.layers) if isinstance(layer, LayerKV)]
+        held = [compressed.layers[i].slots for i in kvs]
         start = max(held, default=0)
-        self._reserve(row + 1, start + room, compressed)
+        states = request_states(compressed, self.specs)
+        positions = [compressed.layers[i].positions[0] for i in kvs]
+
+        def write(slot_layer) -> None:  # one layer's keys and values into the row (positions below)
+            i = kvs[slot_layer.index]
+            kv = compressed.layers[i]
+            slot_layer.keys[row, :, start - kv.slots:start] = kv.keys[0]
+            slot_layer.values[row, :, start - kv.slots:start] = kv.values[0]
+            if consume:
+                compressed.layers[i] = None
+
+        written = self._reserve(row + 1, start + room, compressed, write)
         with torch.inference_mode():
-            for slot_layer, kv in zip(self.attention, (l for l in compressed.layers if isinstance(l, LayerKV))):
-                n = kv.slots
-                slot_layer.keys[row, :, start - n:start] = kv.keys[0]
-                slot_layer.values[row, :, start - n:start] = kv.values[0]
+            for slot_layer, layer_positions in zip(self.attention, positions):
+                if slot_layer.index not in written:
+                    write(slot_layer)
+                n = layer_positions.shape[-1]
                 self.positions[slot_layer.index, row] = -1
-                self.positions[slot_layer.index, row, :, start - n:start] = kv.positions[0]
+                self.positions[slot_layer.index, row, :, start - n:start] = layer_positions
             self.counters[:, row] = torch.tensor([start, compressed.prompt_tokens, 1, token])
-            states = request_states(compressed, self.specs)
             if states:
                 self.states.reserve(self.rows, states)
                 self.states.write(row, states)
@@ -158,55 +173,92 @@ class SlotCache(LayerTrackingCache):
         with torch.inference_mode():
             self.write_at[row], self.next_position[row], self.active[row] = 0, 0, 0
         if not self.held and not self.keep:  # nothing runs: give the memory back
-            self.rows = self.capacity = 0
-            for layer in self.attention:
-                layer.keys, layer.values, layer.views = None, None, {}
-            self.states.release()
+            self._release()
 
     def batch_rows(self) -> int:
         """The batch bucket a step runs: the smallest that covers every row in use."""
         return min(bucket(max(self.held) + 1), self.rows)
 
-    def _reserve(self, rows: int, slots: int, like: Compressed) -> None:
+    def _reserve(self, rows: int, slots: int, like: Compressed, write=None) -> set[int]:
         """Room for ``rows`` rows of ``slots`` slots: reallocated to the next buckets when short (rare:
         at most a few times per run; each time the rows in use are copied once). The layers' head
-        counts, head sizes and dtype are those of ``like``."""
+        counts, head sizes and dtype are those of ``like``. ``write(layer)`` is called on each layer
+        right after its new buffers are in place (the joining row written before the next layer's
+        buffers are allocated); returns the attention layers so written (none when no growth)."""
         if rows <= self.rows and slots <= self.capacity:
-            return
+            return set()
         # kept allocations (compiled steps) take every row at once: a graph is then per (batch, capacity)
         new_rows = self.max_rows if self.keep else max(self.rows, min(bucket(rows), self.max_rows))
         new_capacity = max(self.capacity, capacity_bucket(slots))
         if self.rows:
             log.info("snapkv_rag: slot cache grows to %d rows x %d slots", new_rows, new_capacity)
-        with torch.inference_mode():
-            shapes = [(kv.keys, kv.values) for kv in like.layers if isinstance(kv, LayerKV)]
-            for layer, (keys_like, values_like) in zip(self.attention, shapes):
-                keys = keys_like.new_zeros((new_rows, keys_like.shape[1], new_capacity, keys_like.shape[-1]))
-                values = values_like.new_zeros((new_rows, values_like.shape[1], new_capacity, values_like.shape[-1]))
-                if layer.keys is not None:
-                    keys[: self.rows, :, : self.capacity] = layer.keys
-                    values[: self.rows, :, : self.capacity] = layer.values
-                layer.keys, layer.values = keys, values
-                layer.views = {n: (keys[:n], values[:n]) for n in {min(bucket(r), new_rows) for r in range(1, new_rows + 1)}}
-            heads = self.attention[0].keys.shape[1]
-            positions = torch.full((len(self.attention), new_rows, heads, new_capacity), -1, dtype=torch.long,
-                                   device=self.device)
-            counters = torch.zeros((4, new_rows), dtype=torch.long, device=self.device)
-            if self.rows:
-                positions[:, : self.rows, :, : self.capacity] = self.positions
-                counters[:, : self.rows] = self.counters
-            self.positions, self.counters = positions, counters
-            # per row: where the next token is written, its position, 1 while a request holds the row,
-            # and the token the next step feeds (the last one sampled)
-            self.write_at, self.next_position, self.active, self.tokens = counters.unbind(0)
-            self.generation += 1
-            self.heads = torch.arange(heads, device=self.device)[None, :, None]
-            self.row_index = torch.arange(new_rows, device=self.device)[:, None, None]
-            self._no_mask = torch.ones((new_rows, 1, 1, 1), dtype=torch.bool, device=self.device)
+        written: set[int] = set()
+        try:
+            with torch.inference_mode():
+                self._grow(new_rows, new_capacity, like, write, written)
+        except BaseException:
+            self._undo_growth(written)
+            raise
         if self.device.type == "cuda":  # written in place by every step: fixed addresses for CUDA graphs
             for buffer in [self.positions, self.counters, *(t for layer in self.attention for t in (layer.keys, layer.values))]:
                 torch._dynamo.mark_static_address(buffer, guard=False)
         self.rows, self.capacity = new_rows, new_capacity
+        return written
+
+    def _grow(self, new_rows: int, new_capacity: int, like: Compressed, write, written: set[int]) -> None:
+        """Layer by layer: the new buffers, the rows in use copied in, the old ones let go."""
+        indices = [i for i, layer in enumerate(like.layers) if isinstance(layer, LayerKV)]
+        for layer, i in zip(self.attention, indices):
+            keys_like, values_like = like.layers[i].keys, like.layers[i].values  # read, not held: `write` may drop them
+            keys = keys_like.new_zeros((new_rows, keys_like.shape[1], new_capacity, keys_like.shape[-1]))
+            values = values_like.new_zeros((new_rows, values_like.shape[1], new_capacity, values_like.shape[-1]))
+            del keys_like, values_like
+            if layer.keys is not None:
+                keys[: self.rows, :, : self.capacity] = layer.keys
+                values[: self.rows, :, : self.capacity] = layer.values
+            layer.keys, layer.values = keys, values
+            layer.views = {n: (keys[:n], values[:n]) for n in {min(bucket(r), new_rows) for r in range(1, new_rows + 1)}}
+            written.add(layer.index)
+            if write is not None:
+                write(layer)
+        heads = self.attention[0].keys.shape[1]
+        positions = torch.full((len(self.attention), new_rows, heads, new_capacity), -1, dtype=torch.long,
+                               device=self.device)
+        counters = torch.zeros((4, new_rows), dtype=torch.long, device=self.device)
+        if self.rows:
+            positions[:, : self.rows, :, : self.capacity] = self.positions
+            counters[:, : self.rows] = self.counters
+        head_index = torch.arange(heads, device=self.device)[None, :, None]
+        row_index = torch.arange(new_rows, device=self.device)[:, None, None]
+        no_mask = torch.ones((new_rows, 1, 1, 1), dtype=torch.bool, device=self.device)
+        # all allocated: nothing below can fail part way
+        self.positions, self.counters = positions, counters
+        # per row: where the next token is written, its position, 1 while a request holds the row,
+        # and the token the next step feeds (the last one sampled)
+        self.write_at, self.next_position, self.active, self.tokens = counters.unbind(0)
+        self.generation += 1
+        self.heads, self.row_index, self._no_mask = head_index, row_index, no_mask
+
+    def _undo_growth(self, grown: set[int]) -> None:
+        """A growth that failed part way (out of memory): with no row in use, every buffer is given
+        back; else each layer already grown is seen again at its old size (a view of the new buffer,
+        which holds the rows in use), the positions and counters being the old ones."""
+        self.generation += 1  # a captured graph may hold the addresses of the layers grown
+        if not self.held:
+            self._release()
+            return
+        for layer in self.attention:
+            if layer.index in grown:
+                layer.keys = layer.keys[: self.rows, :, : self.capacity]
+                layer.values = layer.values[: self.rows, :, : self.capacity]
+                layer.views = {n: (layer.keys[:n], layer.values[:n])
+                               for n in {min(bucket(r), self.rows) for r in range(1, self.rows + 1)}}
+
+    def _release(self) -> None:
+        self.rows = self.capacity = 0
+        for layer in self.attention:
+            layer.keys, layer.values, layer.views = None, None, {}
+        self.states.release()
 
     # ------------------------------------------------------------ one step (device ops only)
     def no_mask(self, b: int) -> torch.Tensor | None:
