@@ -101,8 +101,8 @@ def question_one_set(llm, documents: Sequence[dict], question: str, ratio: float
         take = order[..., None].expand(-1, -1, -1, kv.keys.shape[-1])
         layers.append(LayerKV(kv.keys.gather(2, take), kv.values.gather(2, take), kv.positions.gather(2, order)))
     method = SnapKVConfig(max_capacity_prompt=budget, window_size=tail)
-    entry = Stored(entry_key(identity(llm), method, ids[:at]) + "-q1", tuple(ids[:at]), tuple(layers), method,
-                   tuple(request.documents), llm.instruction)
+    entry = Stored.of(entry_key(identity(llm), method, ids[:at]) + "-q1", ids[:at], layers, method,
+                      request.documents, llm.instruction)
     llm.doc_store.put(entry)
     return DocumentSet(llm, entry)
 

@@ -1,6 +1,9 @@
 """Stored document sets on disk: one safetensors file per set (:mod:`snapkv_rag.doc_store`).
 
-The tensors are ``layer.<i>.keys`` / ``.values`` / ``.positions`` per attention layer; the
+The tensors are ``layer.<i>.keys`` / ``.values`` / ``.positions`` per attention layer, packed
+without padding (every head's kept slots one after another, with ``.counts`` per head and the
+padded ``.width``: :mod:`snapkv_rag.ragged`; a layer that layout does not fit is saved padded, as
+every layer was in the first format, which still loads); the
 safetensors header's metadata holds one JSON string, ``snapkv_rag``: the file format, the
 library version, the model's and tokenizer's identity, the method with its settings, the prefix's
 token ids, the documents (and a hash of their text), the instruction, the entry's key and a
@@ -24,21 +27,29 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from . import ragged
 from .cache import LayerKV
 from .doc_store import Stored, documents_hash, entry_key, identity, method_from_json, method_json
 from .prompts import Document
+from .ragged import PackedKV
 
-FORMAT = "snapkv-rag-documents/1"
+FORMAT = "snapkv-rag-documents/2"  # /2: ragged heads packed (ragged.PackedKV)
+READS = ("snapkv-rag-documents/1", FORMAT)  # /1: every layer padded to its widest head
 META = "snapkv_rag"
 
 
 def _tensors(entry: Stored) -> dict[str, torch.Tensor]:
     out = {}
-    for i, kv in enumerate(entry.layers):
-        if kv is not None:
-            out[f"layer.{i}.keys"] = kv.keys[0].contiguous().cpu()
-            out[f"layer.{i}.values"] = kv.values[0].contiguous().cpu()
-            out[f"layer.{i}.positions"] = kv.positions[0].contiguous().cpu()
+    for i, packed in enumerate(entry.packed):
+        if packed is None:
+            continue
+        if packed.padded is not None:  # a layout kept padded: the layer as it is
+            parts = {"keys": packed.padded.keys[0], "values": packed.padded.values[0],
+                     "positions": packed.padded.positions[0]}
+        else:
+            parts = {"keys": packed.keys, "values": packed.values, "positions": packed.positions,
+                     "counts": packed.counts, "width": torch.tensor([packed.width])}
+        out.update({f"layer.{i}.{name}": t.contiguous().cpu() for name, t in parts.items()})
     return out
 
 
@@ -94,7 +105,7 @@ def load(llm, path) -> Stored:
         meta = json.loads(raw) if raw is not None else None
     except ValueError:
         meta = None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in READS:
         raise ValueError(f"path: {path} is not a snapkv-rag document cache file (format {FORMAT})")
     mine = identity(llm)
     for field, what in (("library", "library version"), ("model", "model"), ("model_hash", "model configuration"),
@@ -109,10 +120,12 @@ def load(llm, path) -> Stored:
     if entry_key(mine, method, ids) != meta["key"]:
         raise ValueError(f"path: {path} is inconsistent: its key does not match its contents")
     device = llm.runner.device
-    layers = [None] * int(meta["layers"])
-    for i in range(len(layers)):
-        if f"layer.{i}.keys" in tensors:
-            parts = (tensors[f"layer.{i}.{part}"][None].to(device) for part in ("keys", "values", "positions"))
-            layers[i] = LayerKV(*parts)
+    packed = [None] * int(meta["layers"])
+    for i in range(len(packed)):
+        part = {name.rsplit(".", 1)[1]: t.to(device) for name, t in tensors.items() if name.startswith(f"layer.{i}.")}
+        if "counts" in part:  # packed heads (this format's)
+            packed[i] = PackedKV(part["keys"], part["values"], part["positions"], part["counts"], int(part["width"]))
+        elif "keys" in part:  # a padded layer (and every layer of the first format)
+            packed[i] = ragged.pack(LayerKV(part["keys"][None], part["values"][None], part["positions"][None]))
     documents = tuple(Document(text=d["text"], title=d["title"], id=d["id"]) for d in meta["documents"])
-    return Stored(meta["key"], ids, tuple(layers), method, documents, meta["instruction"])
+    return Stored(meta["key"], ids, tuple(packed), method, documents, meta["instruction"])

@@ -37,11 +37,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import __version__, prefix_cache
+from . import __version__, prefix_cache, ragged
 from .cache import FULL, NONE, LayerKV
 from .config import KeyNormConfig, KVzipConfig, RandomConfig, StreamingLLMConfig
 from .lru import ByteLRU
 from .prompts import Document, DocumentLike
+from .ragged import PackedKV
 
 DEFAULT_BYTES = 1 << 30
 QUERY_AGNOSTIC = (KeyNormConfig, KVzipConfig, StreamingLLMConfig, RandomConfig)
@@ -110,15 +111,31 @@ def documents_hash(documents: Sequence[Document]) -> str:
 
 @dataclass(frozen=True)
 class Stored:
-    """One stored compressed prefix: its token ids, per layer a :class:`LayerKV` (kept keys, values,
-    original positions; ``None`` for an MLP-only layer), the method that chose them and what built it."""
+    """One stored compressed prefix: its token ids, per layer its kept keys, values and original
+    positions packed without padding (:class:`~snapkv_rag.ragged.PackedKV`; ``None`` for an MLP-only
+    layer), the method that chose them and what built it. Make one with :meth:`of`."""
 
     key: str
     ids: tuple[int, ...]
-    layers: tuple[LayerKV | None, ...]
+    packed: tuple[PackedKV | None, ...]
     method: Any
     documents: tuple[Document, ...]
     instruction: str
+
+    @classmethod
+    def of(cls, key: str, ids: Sequence[int], layers: Sequence[LayerKV | None], method, documents, instruction: str):
+        """From the compressed layers (ragged heads padded, as a prefill leaves them)."""
+        return cls(key, tuple(ids), tuple(None if kv is None else ragged.pack(kv) for kv in layers), method,
+                   tuple(documents), instruction)
+
+    @property
+    def layers(self) -> tuple[LayerKV | None, ...]:
+        """The layers padded again, as a prefill over them needs them (a copy at each call)."""
+        return tuple(None if p is None else ragged.unpack(p) for p in self.packed)
+
+    def prefix(self) -> prefix_cache.Prefix:
+        """What a prefill over this entry starts from: its ids and layers, padded (a copy)."""
+        return prefix_cache.Prefix(self.ids, self.layers)
 
     @property
     def length(self) -> int:
@@ -132,17 +149,18 @@ class Stored:
     def kv_bytes(self) -> tuple[int, int]:
         """(bytes the full cache of the prefix holds, bytes of the kept keys + values)."""
         full = kept = 0
-        for kv in self.layers:
-            if kv is not None:
-                per_token = kv.keys.shape[1] * (kv.keys.shape[-1] + kv.values.shape[-1]) * kv.keys.element_size()
-                full, kept = full + per_token * self.length, kept + per_token * kv.slots
+        for p in self.packed:
+            if p is not None:
+                kv = p.padded if p.padded is not None else p
+                heads = p.counts.shape[0]
+                full += heads * (kv.keys.shape[-1] + kv.values.shape[-1]) * kv.keys.element_size() * self.length
+                kept += p.kept_bytes
         return full, kept
 
     @property
     def nbytes(self) -> int:
         """Every tensor held (positions included): what the store's bound counts."""
-        return sum(t.numel() * t.element_size() for kv in self.layers if kv is not None
-                   for t in (kv.keys, kv.values, kv.positions))
+        return sum(p.nbytes for p in self.packed if p is not None)
 
 
 class DocStoreStats(prefix_cache.PrefixStats):
@@ -292,8 +310,7 @@ def build(llm, documents: Sequence[DocumentLike], method) -> Stored:
                          f"an answer in the model's context window of {llm.context_window} tokens")
     pre = llm.runner.prefill([ids], {"": method and method.for_prompt(len(ids))})
     layers = tuple(kv if isinstance(kv, LayerKV) else None for kv in pre.compressed[""][0].layers)
-    return Stored(entry_key(identity(llm), method, ids), tuple(ids), layers, method, tuple(request.documents),
-                  llm.instruction)
+    return Stored.of(entry_key(identity(llm), method, ids), ids, layers, method, request.documents, llm.instruction)
 
 
 def index(llm, documents: Sequence[DocumentLike], method) -> DocumentSet:
@@ -367,18 +384,19 @@ class DocumentsAPI:
         return self.doc_store.stats()
 
 
-def tail_hook(cache, entry: Stored, total: int):
-    """The prompt cache's hook while a tail runs over ``entry``: each layer's K/V (the kept ones,
-    then the tail's) with their positions (the kept ones, then the tail's ``entry.length .. total``),
-    kept whole. ``hook.layers`` is filled as the layers run."""
+def tail_hook(cache, layers: Sequence[LayerKV | None], length: int, total: int):
+    """The prompt cache's hook while a tail runs over a stored prefix of ``length`` tokens (its
+    ``layers``, padded): each layer's K/V (the kept ones, then the tail's) with their positions (the
+    kept ones, then the tail's ``length .. total``), kept whole. ``hook.layers`` is filled as the
+    layers run."""
 
     def hook(layer_idx: int, query, vote_keys, scoring) -> None:
         layer = cache.layers[layer_idx]
         keys, values = layer.pending
-        stored = entry.layers[layer_idx].positions
-        tail = torch.arange(entry.length, total, device=stored.device).expand(1, stored.shape[1], -1)
+        stored = layers[layer_idx].positions
+        tail = torch.arange(length, total, device=stored.device).expand(1, stored.shape[1], -1)
         hook.layers[layer_idx] = LayerKV(keys, values, torch.cat([stored, tail], dim=-1))
         layer.pending, layer.done = None, True
 
-    hook.layers = [None] * len(entry.layers)
+    hook.layers = [None] * len(layers)
     return hook

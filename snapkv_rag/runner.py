@@ -159,8 +159,9 @@ class Runner:
         if hasattr(stored, "prefill"):
             return stored.prefill(self, ids)
         start = time.perf_counter()
-        cache = PromptCache(self.model.config, self.specs, stored)
-        cache.compress = tail_hook(cache, stored, len(ids))
+        prefix = stored.prefix()  # the stored layers padded again, for this prefill
+        cache = PromptCache(self.model.config, self.specs, prefix)
+        cache.compress = tail_hook(cache, prefix.layers, stored.length, len(ids))
         tail = torch.tensor([ids[stored.length:]], device=self.device)
         positions = torch.arange(stored.length, len(ids), device=self.device)[None]
         with self.lock, torch.inference_mode(), self._sliced():

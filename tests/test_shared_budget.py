@@ -111,10 +111,22 @@ def test_batch_equals_single_and_a_saved_set_answers_the_same(llm, tiny_model, t
     assert loaded.method == MODEL and [loaded.generate(q).raw_text for q in QUESTIONS] == answers
 
 
-@pytest.mark.parametrize("share, fit", [("layer", "positions"), ("model", "slots")])
-def test_the_stored_bytes_are_the_kept_share(llm, share, fit):
-    handle = llm.index_documents(DOCS, method=KVzipConfig(ratio=0.5, window_size=8, share=share, fit=fit))
+@pytest.mark.parametrize("share", ["head", "layer", "model"])
+def test_the_stored_bytes_are_the_kept_share(llm, share):
+    """Ragged heads are stored packed (no padding): the bytes are those of the positions kept."""
+    handle = llm.index_documents(DOCS, method=KVzipConfig(ratio=0.5, window_size=8, share=share))
     assert 0.48 <= handle.kept_bytes / handle.full_bytes <= 0.52
+    assert handle.entry().nbytes < 0.56 * handle.full_bytes  # positions and counts beside them
+    if share == "model":  # padded, as a prefill over it sees it, the set is larger
+        padded = sum(kv.keys.nbytes + kv.values.nbytes for kv in handle.entry().layers if kv is not None)
+        assert padded > 1.05 * handle.kept_bytes
+
+
+def test_fitting_the_slots_stores_fewer_positions(llm):
+    slots = llm.index_documents(DOCS, method=KVzipConfig(ratio=0.5, window_size=8, fit="slots"))
+    padded = sum(kv.keys.nbytes + kv.values.nbytes for kv in slots.entry().layers if kv is not None)
+    assert 0.48 <= padded / slots.full_bytes <= 0.52  # the padded layers fit the kept share's bytes
+    assert slots.kept_bytes < 0.48 * slots.full_bytes  # ... by keeping fewer positions
 
 
 def test_bad_settings_are_refused_by_name():

@@ -1,0 +1,82 @@
+"""Ragged heads without padding, for what is stored between requests (:mod:`snapkv_rag.doc_store`).
+
+A layer whose heads keep different counts (KVzip's model-wide ranking, Ada-SnapKV) is computed and
+decoded padded to its widest head: per head the empty slots first, at position ``-1`` with zero K/V,
+then the kept ones (:mod:`snapkv_rag.adaptive`). Stored like that, a document set holds the padding
+too (about 0.70 of the full cache's bytes for KVzip at half the positions kept). Packed, it holds
+only what was kept:
+
+    packed = pack(layer_kv)          # keys [N, D], values [N, D_v], positions [N], counts [H_kv]
+    layer_kv = unpack(packed)        # the padded layer again, exactly (empty slots first per head)
+
+``N`` is the kept slots of all heads together, head after head; ``counts[h]`` of them are head
+``h``'s. A layer whose empty slots are not all before its kept ones in every head is kept padded
+as it is (``packed.padded``), so that unpacking never reorders anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import LayerKV
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """One stored layer: the kept slots of every head, one after another (see the module)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    counts: torch.Tensor
+    width: int = 0  # the padded layer's slots per head (its widest head's, or more)
+    padded: LayerKV | None = None  # a layout :func:`pack` does not flatten, kept as it was
+
+    @property
+    def nbytes(self) -> int:
+        if self.padded is not None:
+            return sum(t.numel() * t.element_size() for t in (self.padded.keys, self.padded.values,
+                                                                self.padded.positions))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.counts))
+
+    @property
+    def kept_bytes(self) -> int:
+        """Keys and values held (the padding included only for a layer kept padded)."""
+        source = self.padded if self.padded is not None else self
+        return sum(t.numel() * t.element_size() for t in (source.keys, source.values))
+
+
+def _trailing(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts [H], mask [H, C])``: each head's kept slots, and where they would lie right-aligned."""
+    counts = (positions >= 0).sum(-1)
+    rank = torch.arange(positions.shape[-1], device=positions.device)
+    return counts, rank >= positions.shape[-1] - counts[:, None]
+
+
+def pack(kv: LayerKV) -> PackedKV:
+    """``kv`` (one row ``[1, H, C, ...]``) without its empty slots."""
+    positions = kv.positions[0]
+    counts, trailing = _trailing(positions)
+    if not torch.equal(positions >= 0, trailing) or kv.keys.shape[0] != 1:
+        empty = kv.keys.new_zeros(0)
+        return PackedKV(empty, empty, empty.long(), counts, padded=kv)
+    return PackedKV(kv.keys[0][trailing].clone(), kv.values[0][trailing].clone(), positions[trailing].clone(), counts,
+                    positions.shape[-1])
+
+
+def unpack(packed: PackedKV) -> LayerKV:
+    """The padded layer ``[1, H, width, ...]`` again: per head its empty slots first (position -1,
+    zero K/V), then its kept ones, exactly as :func:`pack` found it."""
+    if packed.padded is not None:
+        return packed.padded
+    counts = packed.counts
+    heads, widest = counts.shape[0], packed.width
+    rank = torch.arange(widest, device=counts.device)
+    trailing = rank >= widest - counts[:, None]
+    keys = packed.keys.new_zeros((heads, widest, packed.keys.shape[-1]))
+    values = packed.values.new_zeros((heads, widest, packed.values.shape[-1]))
+    positions = torch.full((heads, widest), -1, dtype=packed.positions.dtype, device=packed.positions.device)
+    keys[trailing], values[trailing], positions[trailing] = packed.keys, packed.values, packed.positions
+    return LayerKV(keys[None], values[None], positions[None])
