@@ -227,9 +227,10 @@ class KVzipConfig(SnapKVConfig):
     ``share`` says who shares the budget (:mod:`snapkv_rag.shared_budget`). ``"model"`` (default,
     the paper's): every position of every layer and KV head is ranked together and the best ones
     kept, as many as the even split would keep in all (``fit="positions"``), plus the last
-    ``window_size`` positions; heads then hold different counts, and each layer is stored padded
-    to its widest head, so the cache holds more bytes than the kept share (``Compressed.kv_bytes``
-    says how many). ``fit="slots"``: the best positions that fit the even split's slots once padded
+    ``window_size`` positions; heads then hold different counts, and each layer is decoded padded
+    to its widest head, so a request's cache holds more bytes than the kept share
+    (``Compressed.kv_bytes`` says how many; a stored document set packs the heads without padding,
+    :mod:`snapkv_rag.ragged`). ``fit="slots"``: the best positions that fit the even split's slots once padded
     (the kept share's bytes, fewer positions). ``"layer"``: the same ranking's count per layer,
     split evenly between its heads; ``"head"``: every head of every layer the same count (both
     dense). A shared ranking holds every layer's full K/V until the pass ends. ``sink_tokens``: the
