@@ -91,6 +91,14 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
         reply = httpx.post(url + "/v1/chat/completions", timeout=60, json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["snapkv"]["compression"]["method"] == "adasnapkv"
+    assert parse_spec("adasnapkv-model@25%").config(400) == AdaSnapKVConfig(max_capacity_prompt=400, share="model")
+    from snapkv_rag.server.protocol import ServerSettings, _compression as snapkv_config
+
+    settings = ServerSettings(model_name="tiny")
+    assert snapkv_config({"method": "adasnapkv", "share": "model", "floor": 0.5}, settings) == AdaSnapKVConfig(
+        share="model", floor=0.5)
+    with pytest.raises(Exception, match="not a setting of method snapkv"):
+        snapkv_config({"floor": 0.5}, settings)
 
 
 MODEL_WIDE = AdaSnapKVConfig(max_capacity_prompt=48, window_size=8, floor=0.0, share="model")

@@ -15,7 +15,9 @@ from . import logprobs, tool_calls
 from .errors import APIError, bad, typed
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-SNAPKV_FIELDS = ("method", "max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling")
+SNAPKV_FIELDS = ("method", "max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling",
+                 "floor", "share")
+OWN_FIELDS = ("floor", "share")  # settings of some methods only (adasnapkv: both; kvzip: share)
 METHODS = {"snapkv": SnapKVConfig, "docsnapkv": DocSnapKVConfig, "adasnapkv": AdaSnapKVConfig,
            "keynorm": KeyNormConfig, "kvzip": KVzipConfig}
 # OpenAI parameters this server cannot honour: refused by name rather than ignored in silence
@@ -132,7 +134,7 @@ def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | 
     """``"snapkv": false`` (full cache), ``true`` (the server's compression), or an object of
     ``SnapKVConfig`` fields; ``budget`` takes tokens (512) or a share (``"50%"``); ``method``
     ``"docsnapkv"`` selects document-aware SnapKV, ``"adasnapkv"`` head-adaptive SnapKV, ``"keynorm"`` key-norm selection and ``"kvzip"`` KVzip (both query-agnostic),
-    ``"snapkv"`` plain SnapKV."""
+    ``"snapkv"`` plain SnapKV; ``floor`` and ``share`` set those of the methods that have them."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -153,6 +155,9 @@ def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | 
         base = METHODS[method](**{f.name: getattr(base, f.name) for f in fields_of(SnapKVConfig)
                                   if f.name in ("max_capacity_prompt", "ratio")
                                   or getattr(base, f.name) != getattr(plain, f.name)})
+    for name in OWN_FIELDS:
+        if name in fields and name not in {f.name for f in fields_of(base)}:
+            raise bad(f"snapkv.{name}", f"not a setting of method {base.method}", "unknown_field")
     budget = fields.pop("budget", None)
     if isinstance(budget, str) and budget.endswith("%"):
         try:
