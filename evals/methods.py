@@ -12,15 +12,13 @@ above it, with a warning in the row's ``budget_note``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Sequence
 
 from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
 
 KINDS = {"snapkv": SnapKVConfig, "pyramidkv": PyramidKVConfig, "streaming": StreamingLLMConfig,
          "h2o": H2OConfig, "random": RandomConfig, "docsnapkv": DocSnapKVConfig,
-         "adasnapkv": AdaSnapKVConfig, "adasnapkv-model": partial(AdaSnapKVConfig, share="model"),
-         "keynorm": KeyNormConfig, "kvzip": KVzipConfig}
+         "adasnapkv": AdaSnapKVConfig, "keynorm": KeyNormConfig, "kvzip": KVzipConfig}
 WINDOW = 32  # SnapKV's observation window and the recent window of H2O / random (the engine defaults)
 
 

@@ -83,22 +83,3 @@ def trim_padding(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tens
 def held_share(positions: torch.Tensor) -> float:
     """The share of a layer's held slots that hold a position (1.0 for a dense selection)."""
     return float((positions >= 0).float().mean())
-
-
-def model_share_scores(query_window: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-                       config: AdaSnapKVConfig, capacity: int, **scoring) -> tuple:
-    """One full-attention layer of one prompt under ``share="model"``, before the model-wide ranking
-    (:mod:`snapkv_rag.shared_budget`): ``(prefix scores [1, H, n] or None when the prompt fits the
-    layer's budget, keys, values, window, the prefix positions an even split would keep)``. Each
-    head's ``floor`` best positions score ``inf``: they are kept whatever the other layers vote."""
-    length, heads = key_states.shape[-2], key_states.shape[1]
-    if length <= capacity:
-        return None, key_states, value_states, 0, 0
-    window = min(config.window_size, query_window.shape[-2])
-    votes = snapkv_votes(query_window[..., -window:, :], key_states, None, **scoring)[..., : length - window]
-    pooled = pool_votes(votes, config.kernel_size, config.pooling).float()
-    per_head = capacity - window
-    floor = int(config.floor * per_head)
-    if floor:
-        pooled = pooled.scatter(-1, best_positions(pooled, floor), float("inf"))
-    return pooled, key_states, value_states, window, heads * per_head

@@ -239,12 +239,6 @@ class _Compressor:
                 self.ranked.setdefault(name, {})[layer_idx] = reread_layer_scores(
                     method, layer_idx, len(self.cache.specs), query, keys, values, vote_keys, scoring, self.reread)
                 rows = [None]
-            elif _model_share(method) and layer.spec.window is None and vote_keys.shape == keys.shape:
-                cut = keys.shape[-2] - self.reread
-                self.ranked.setdefault(name, {})[layer_idx] = adaptive.model_share_scores(
-                    query[..., :cut, :], keys[..., :cut, :], values[..., :cut, :], method,
-                    method.budget_for_layer(layer_idx, len(self.cache.specs)), **scoring.as_kwargs())
-                rows = [None]
             elif isinstance(method, KVzipConfig):
                 rows = compress_reread_layer(method, layer.spec, layer_idx, len(self.cache.specs), query, keys,
                                              values, vote_keys, scoring, self.reread)
@@ -273,8 +267,6 @@ def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[in
         raise ValueError("compression: give at least one method")
     if any(isinstance(m, KVzipConfig) for m in methods.values()) and not (reread and len(lengths) == 1):
         raise ValueError("kvzip: the pass must hold one prompt and its re-read (Runner.prefill builds it)")
-    if any(_model_share(m) for m in methods.values()) and len(lengths) > 1:
-        raise ValueError("adasnapkv: share='model' ranks one prompt's layers together: prefill one prompt at a time")
     compressor = _Compressor(cache, dict(methods), list(lengths), reread)
     for name, method in compressor.methods.items():
         compressor.out[name] = [Compressed(method, cache.specs, [None] * len(cache.specs), real) for real in lengths]
@@ -387,10 +379,6 @@ def reread_layer_scores(method, layer_idx: int, num_layers: int, query: torch.Te
     prefix = compression.kvzip_scores(query[:, :, length:], vote_keys, length, method,
                                       shared=vote_keys.shape != keys.shape, **scoring.as_kwargs())
     return prefix, k, v, window, prefix.shape[1] * (budget - window)
-
-
-def _model_share(method) -> bool:
-    return isinstance(method, AdaSnapKVConfig) and method.share == "model"
 
 
 def _clock(tensor: torch.Tensor) -> float:

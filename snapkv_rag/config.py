@@ -178,26 +178,16 @@ class AdaSnapKVConfig(SnapKVConfig):
     prefix slots go to the best-voted positions of any head, so a head whose attention is spread
     keeps more and a focused head less. The cache holds each layer padded only to its largest
     head: shorter heads' empty slots are masked, never attended (:mod:`snapkv_rag.adaptive`).
-
-    ``share="model"``: the budget is shared by every full-attention layer and KV head of the model
-    together, not layer by layer: all their pooled votes are ranked at once (each head's ``floor``
-    best first) and the best ones kept, as many as the even split would keep in all
-    (:mod:`snapkv_rag.shared_budget`, as KVzip's default), so layers whose window attends to few
-    positions give their share to those that attend widely. It holds every layer's full K/V until
-    the prompt's pass ends, and takes one prompt per prefill.
     """
 
     floor: float = 0.2
-    share: str = "layer"
 
     method = "adasnapkv"
-    fit = "positions"  # the shared ranking's count is positions (KVzip's ``fit``)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(isinstance(self.floor, (int, float)) and not isinstance(self.floor, bool) and 0 <= self.floor <= 1,
                  "floor", f"must be a share between 0 and 1, got {self.floor!r}")
-        _require(self.share in ("layer", "model"), "share", f"must be 'layer' or 'model', got {self.share!r}")
 
 
 @dataclass(frozen=True)

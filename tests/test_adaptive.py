@@ -91,60 +91,13 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
         reply = httpx.post(url + "/v1/chat/completions", timeout=60, json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["snapkv"]["compression"]["method"] == "adasnapkv"
-    assert parse_spec("adasnapkv-model@25%").config(400) == AdaSnapKVConfig(max_capacity_prompt=400, share="model")
     from snapkv_rag.server.protocol import ServerSettings, _compression as snapkv_config
 
     settings = ServerSettings(model_name="tiny")
-    assert snapkv_config({"method": "adasnapkv", "share": "model", "floor": 0.5}, settings) == AdaSnapKVConfig(
-        share="model", floor=0.5)
+    assert snapkv_config({"method": "adasnapkv", "floor": 0.5}, settings) == AdaSnapKVConfig(floor=0.5)
+    assert snapkv_config({"method": "kvzip", "share": "layer"}, settings).share == "layer"
     with pytest.raises(Exception, match="not a setting of method snapkv"):
         snapkv_config({"floor": 0.5}, settings)
+    with pytest.raises(Exception, match="not a setting of method adasnapkv"):
+        snapkv_config({"method": "adasnapkv", "share": "model"}, settings)
 
-
-MODEL_WIDE = AdaSnapKVConfig(max_capacity_prompt=48, window_size=8, floor=0.0, share="model")
-
-
-def _layers(engine, config, docs=DOCS):
-    ids = list(engine.request(QUESTION, docs).input_ids)
-    return ids, engine.runner.prefill([ids], {"": config}).compressed[""][0].layers
-
-
-def test_a_model_wide_share_ranks_every_layer_and_head_together(tiny_engine):
-    ids, layers = _layers(tiny_engine, MODEL_WIDE)
-    heads = layers[0].positions.shape[1]
-    held = [(kv.positions >= 0).sum(-1)[0] for kv in layers]
-    assert sum(int(h.sum()) for h in held) == len(layers) * heads * 48  # the even split's total
-    assert len({int(h.sum()) for h in held}) > 1  # ... shared unevenly between the layers
-    for kv in layers:  # every head keeps the window whole
-        for head in range(heads):
-            assert kv.positions[0, head][-8:].tolist() == list(range(len(ids) - 8, len(ids)))
-    floored = _layers(tiny_engine, AdaSnapKVConfig(max_capacity_prompt=48, window_size=8, floor=0.5, share="model"))[1]
-    assert all(int((kv.positions >= 0).sum(-1).min()) >= 8 + 20 for kv in floored)  # each head its floor
-
-
-def test_a_model_wide_share_with_a_full_floor_is_snapkv(tiny_engine):
-    even = AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=1.0, share="model")
-    plain = SnapKVConfig(max_capacity_prompt=64, window_size=8)
-    ada, snap = (tiny_engine.generate(QUESTION, DOCS, snapkv=c, max_new_tokens=8) for c in (even, plain))
-    assert ada.raw_text == snap.raw_text and ada.compression.kept_tokens == snap.compression.kept_tokens
-
-
-def test_a_model_wide_share_never_attends_empty_slots_and_batches_equal_single_calls(tiny_engine, monkeypatch):
-    from snapkv_rag import shared_budget
-
-    questions, docs = [QUESTION, "Name the orchard.", "What lies north?"], [DOCS, filler_documents(2), filler_documents(4)]
-    single = [tiny_engine.generate(q, d, snapkv=MODEL_WIDE, max_new_tokens=8, ignore_eos=True) for q, d in zip(questions, docs)]
-    batch = tiny_engine.generate_batch(questions, docs, snapkv=MODEL_WIDE, max_new_tokens=8, ignore_eos=True)
-    assert [r.raw_text for r in batch] == [r.raw_text for r in single]
-    seen = []
-    monkeypatch.setattr(shared_budget, "keep_counts", poisoning_empty_slots(shared_budget.keep_counts, seen))
-    dirty = tiny_engine.generate(questions[0], docs[0], snapkv=MODEL_WIDE, max_new_tokens=8, ignore_eos=True)
-    assert sum(seen) > 0 and dirty.raw_text == single[0].raw_text
-
-
-def test_a_model_wide_share_is_checked(tiny_engine):
-    with pytest.raises(ValueError, match="share: must be 'layer' or 'model'"):
-        AdaSnapKVConfig(share="head")
-    ids = list(tiny_engine.request(QUESTION, DOCS).input_ids)
-    with pytest.raises(ValueError, match="one prompt at a time"):
-        tiny_engine.runner.prefill([ids, ids[:-5]], {"": MODEL_WIDE})

@@ -17,7 +17,7 @@ from .errors import APIError, bad, typed
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SNAPKV_FIELDS = ("method", "max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling",
                  "floor", "share")
-OWN_FIELDS = ("floor", "share")  # settings of some methods only (adasnapkv: both; kvzip: share)
+OWN_FIELDS = ("floor", "share")  # settings of some methods only (adasnapkv: floor; kvzip: share)
 METHODS = {"snapkv": SnapKVConfig, "docsnapkv": DocSnapKVConfig, "adasnapkv": AdaSnapKVConfig,
            "keynorm": KeyNormConfig, "kvzip": KVzipConfig}
 # OpenAI parameters this server cannot honour: refused by name rather than ignored in silence
