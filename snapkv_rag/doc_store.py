@@ -35,7 +35,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-import torch
 
 from . import __version__, prefix_cache, ragged
 from .cache import FULL, NONE, LayerKV
@@ -382,21 +381,3 @@ class DocumentsAPI:
     def doc_stats(self) -> DocStoreStats:
         """The document store's hits (questions answered from it), misses, tokens saved, bytes used."""
         return self.doc_store.stats()
-
-
-def tail_hook(cache, layers: Sequence[LayerKV | None], length: int, total: int):
-    """The prompt cache's hook while a tail runs over a stored prefix of ``length`` tokens (its
-    ``layers``, padded): each layer's K/V (the kept ones, then the tail's) with their positions (the
-    kept ones, then the tail's ``length .. total``), kept whole. ``hook.layers`` is filled as the
-    layers run."""
-
-    def hook(layer_idx: int, query, vote_keys, scoring) -> None:
-        layer = cache.layers[layer_idx]
-        keys, values = layer.pending
-        stored = layers[layer_idx].positions
-        tail = torch.arange(length, total, device=stored.device).expand(1, stored.shape[1], -1)
-        hook.layers[layer_idx] = LayerKV(keys, values, torch.cat([stored, tail], dim=-1))
-        layer.pending, layer.done = None, True
-
-    hook.layers = [None] * len(layers)
-    return hook

@@ -30,14 +30,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from . import attention, prefix_cache
-from .cache import Compressed, PromptCache, compressing, layer_specs
+from .cache import Compressed, LayerKV, PromptCache, compressing, layer_specs
 from .config import KVzipConfig
-from .doc_store import tail_hook
 from .prefix_cache import PrefixCache
 from .slots import SlotCache
 
@@ -153,7 +152,7 @@ class Runner:
     def prefill_stored(self, stored, ids: list[int]) -> Prefilled:
         """Run only ``ids[stored.length:]`` (the tail of a prompt over a stored compressed document
         set, :mod:`snapkv_rag.doc_store`) on top of the stored kept K/V, at the positions the tail has
-        in the whole prompt; the tail is kept whole (``doc_store.tail_hook``). A stitched document
+        in the whole prompt; the tail is kept whole (:func:`tail_hook`). A stitched document
         prompt (:mod:`snapkv_rag.stitch`) prefills itself."""
         self.attach()
         if hasattr(stored, "prefill"):
@@ -354,3 +353,21 @@ def _capture(step: Callable[[], torch.Tensor], slots: SlotCache, pool) -> Callab
         return out
 
     return replay
+
+
+def tail_hook(cache, layers: Sequence[LayerKV | None], length: int, total: int):
+    """The prompt cache's hook while a tail runs over a stored prefix of ``length`` tokens (its
+    ``layers``, padded): each layer's K/V (the kept ones, then the tail's) with their positions (the
+    kept ones, then the tail's ``length .. total``), kept whole. ``hook.layers`` is filled as the
+    layers run."""
+
+    def hook(layer_idx: int, query, vote_keys, scoring) -> None:
+        layer = cache.layers[layer_idx]
+        keys, values = layer.pending
+        stored = layers[layer_idx].positions
+        tail = torch.arange(length, total, device=stored.device).expand(1, stored.shape[1], -1)
+        hook.layers[layer_idx] = LayerKV(keys, values, torch.cat([stored, tail], dim=-1))
+        layer.pending, layer.done = None, True
+
+    hook.layers = [None] * len(layers)
+    return hook

@@ -265,9 +265,8 @@ class Scheduler:
                 self.slots = self.runner.new_slots(self.max_batch)
                 self.sampling = SamplingSlots(self.slots.max_rows, self.runner.device)
             row = self.slots.free_row()
-            # a lone request's prefill is its own: each layer is let go once written into the row
-            self.slots.join(row, compressed, room=job.sampling.max_new_tokens, token=token,
-                            consume=job.group is None and job.request.stored is None)
+            self.slots.join(row, compressed, room=job.sampling.max_new_tokens, token=token,  # a lone prefill's
+                            consume=job.group is None and job.request.stored is None)  # layers go as written
         except Exception as error:  # noqa: BLE001 - handed to the caller, who raises it
             job.ticket.put(_ERROR, error)
             return
