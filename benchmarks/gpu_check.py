@@ -9,7 +9,8 @@ process with its own time limit (so one step's failure or hang cannot take the o
    time the later steps do not need;
 2. ``gpu_decode.py --concurrent``: 1, 8 and 16 concurrent requests through the scheduler, the
    same figures and tokens/s against one request's; gets the rest of that time;
-3. the engine's tiny-model tests (``tests/test_engine_tiny.py``, ``tests/test_compression.py``)
+3. the engine's tiny-model tests (``tests/test_engine_tiny.py``, ``tests/test_compression.py``, the slot
+   cache's growth and, on CUDA only, the CUDA-graph step: ``tests/test_cuda_graphs.py``)
    on the device in float32 and then bfloat16, with a word-level tokenizer written here (the
    embedded model is not on that machine);
 4. an eval smoke run (``python -m evals --smoke``) on the device, with a random-weight model folder
@@ -39,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
-TESTS = ["tests/test_engine_tiny.py", "tests/test_compression.py"]
+TESTS = ["tests/test_engine_tiny.py", "tests/test_compression.py", "tests/test_slot_growth.py", "tests/test_cuda_graphs.py"]
 
 
 def step(name: str, command: list[str], limit_s: float, out: Path, env: dict, report: dict) -> dict:
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
         for dtype in ("float32", "bfloat16"):
             test_env = {**env, "SNAPKV_TEST_DEVICE": args.device, "SNAPKV_TEST_DTYPE": dtype,
                         "SNAPKV_TEST_TOKENIZER": str(tokenizer_dir)}
-            budget = left() - args.evals_s if dtype == "bfloat16" else min(args.tests_s / 2, left() - args.evals_s)
+            budget = left() - args.evals_s if dtype == "bfloat16" else min(0.75 * args.tests_s, left() - args.evals_s)
             step(f"engine_tests_{dtype}", pytest, budget, out, test_env, report)
         # 4. an eval smoke run on the device from a random-weight model folder
         model_dir = random_model_folder(Path(scratch) / "model", tokenizer, args.tiny)
