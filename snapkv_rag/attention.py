@@ -65,18 +65,21 @@ def _decode_mask(valid: torch.Tensor, query: torch.Tensor, base: str) -> torch.T
 
 
 def _over_stored(layer, query: torch.Tensor, base: str) -> torch.Tensor | None:
-    """The mask of a prompt's tail over a stored compressed set in a full-attention layer (a prefix
-    with kept ``positions``, :mod:`snapkv_rag.doc_store`): the stored slots that hold a position
-    (a ragged layer's empty ones do not), then the tail causally. The model's own mask assumes one
-    length for every layer, which a set with per-layer budgets does not have. ``None`` otherwise."""
+    """The mask of a prompt's tail over a stored compressed set (a prefix with kept ``positions``,
+    :mod:`snapkv_rag.doc_store`): the stored slots that hold a position (a ragged layer's empty ones
+    do not), then the tail causally; in a sliding layer, only what lies inside each tail query's
+    window. The model's own mask assumes one length for every layer, which a set with per-layer
+    budgets does not have. ``None`` otherwise."""
     positions = getattr(layer.prefix, "positions", None)
-    if positions is None or layer.spec.window is not None:
+    if positions is None:
         return None
     b, h_kv, _ = positions.shape
     q = query.shape[-2]
-    held = (positions >= 0)[:, :, None, :].expand(b, h_kv, q, -1)
-    causal = torch.ones(q, q, dtype=torch.bool, device=positions.device).tril().expand(b, h_kv, q, q)
-    return _decode_mask(torch.cat([held, causal], dim=-1), query, base)
+    at = layer.prefix_length + torch.arange(q, device=positions.device)  # the tail queries' positions
+    lower = at - (layer.spec.window if layer.spec.window is not None else at.max() + 2)  # a key must be above
+    held = (positions[:, :, None, :] > lower[:, None]) & (positions >= 0)[:, :, None, :]
+    tail = (at[None, :] <= at[:, None]) & (at[None, :] > lower[:, None])
+    return _decode_mask(torch.cat([held, tail.expand(b, h_kv, q, q)], dim=-1), query, base)
 
 
 def grouped_sdpa(module, query, key, value, mask, scaling):

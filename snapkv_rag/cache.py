@@ -102,6 +102,7 @@ class PromptLayer(DynamicLayer):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.done = False
         self.prefix = None  # a cached prefix's layer (prefix_cache.PrefixLayer): the new tokens go on top
+        self.prefix_length = 0  # the prompt positions that prefix stands for
 
     @property
     def before(self) -> int:
@@ -180,7 +181,7 @@ class PromptCache(LayerTrackingCache):
         if prefix is not None:  # a cached prefix (prefix_cache.Prefix): only the rest of the prompt runs
             for layer, cached in zip(self.layers, prefix.layers):
                 if isinstance(layer, PromptLayer):
-                    layer.prefix = cached
+                    layer.prefix, layer.prefix_length = cached, prefix.length
 
 
 @dataclass

@@ -23,7 +23,8 @@ identity (name, config, dtype), the tokenizer's, the library version, the method
 and the prefix's token ids (which the documents, the instruction and the chat template give). An
 entry leaves only by LRU eviction (counted in :meth:`DocStore.stats`); a handle whose entry left is
 indexed again on its next use (counted as a miss). Files: :mod:`snapkv_rag.doc_files`.
-Only plain full-attention models: sliding-window, latent and recurrent / hybrid layers are refused.
+Full and sliding-window attention layers (a sliding layer's tail sees what lies inside each query's
+window); latent attention and recurrent / hybrid layers are refused.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any, Iterator, Sequence
 
 
 from . import __version__, prefix_cache, ragged
-from .cache import FULL, NONE, LayerKV
+from .cache import FULL, NONE, SLIDING, LayerKV
 from .config import KeyNormConfig, KVzipConfig, RandomConfig, StreamingLLMConfig
 from .lru import ByteLRU
 from .prompts import Document, DocumentLike
@@ -217,11 +218,11 @@ class DocStore:
 def unsupported(llm) -> str | None:
     """Why ``llm``'s model cannot answer from a stored cache (``None``: it can)."""
     for i, spec in enumerate(llm.runner.specs):
-        if spec.state or spec.kind not in (FULL, NONE):
+        if spec.state or spec.kind not in (FULL, SLIDING, NONE):
             return (f"layer {i} of {type(llm.model).__name__} is {spec.kind}"
                     f"{' with a recurrent state' if spec.state else ''}: a stored document cache reuses the kept "
-                    "K/V of full-attention layers only (a recurrent state or a sliding window cannot be continued "
-                    "from a compressed prefix)")
+                    "K/V of full and sliding-window attention layers only (the store does not hold recurrent "
+                    "states or latent attention)")
     return None
 
 

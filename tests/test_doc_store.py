@@ -192,11 +192,31 @@ def test_documents_over_the_context_window(tokenizer):
     assert small.doc_stats().entries == 0
 
 
-@pytest.mark.parametrize("family", ["mistral-window", "qwen3-next"])
-def test_sliding_and_recurrent_models_are_refused(family, tokenizer):
+@pytest.mark.parametrize("family", ["qwen3-next", "deepseek-v3"])
+def test_recurrent_and_latent_models_are_refused(family, tokenizer):
     llm = SnapKVLLM(model=family_model(family, len(tokenizer)), tokenizer=tokenizer)
-    with pytest.raises(ValueError, match="index_documents: layer .* full-attention layers only"):
+    with pytest.raises(ValueError, match="index_documents: layer .* full and sliding-window attention layers only"):
         llm.index_documents(DOCS, method=HALF)
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "gemma3", "cohere2"])
+def test_sliding_window_models_answer_over_a_stored_set(family, tokenizer):
+    """Prompts longer than the window: kept whole, the tail over the stored set gives the whole
+    prompt's tokens (each tail query sees only its window of the stored slots); compressed, the
+    questions are answered from the set, and a batch equals single calls."""
+    llm = SnapKVLLM(model=family_model(family, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=8)
+    assert any(spec.window is not None and spec.window < 200 for spec in llm.runner.specs)
+    whole = llm.index_documents(DOCS, method=KeyNormConfig(ratio=1.0))
+    assert whole.prompt_tokens > 400
+    for question in QUESTIONS:
+        over, alone = whole.generate(question, ignore_eos=True), llm.generate(question, DOCS, snapkv=False, ignore_eos=True)
+        assert over.raw_text == alone.raw_text and over.usage.cached_tokens == whole.prompt_tokens
+    for method in (HALF, KVzipConfig(ratio=0.5, window_size=8)):
+        handle = llm.index_documents(DOCS, method=method)
+        single = [handle.generate(q, ignore_eos=True) for q in QUESTIONS]
+        assert all(r.usage.completion_tokens == 8 and r.usage.cached_tokens == handle.prompt_tokens for r in single)
+        batch = llm.generate_batch(QUESTIONS, [handle] * 3, ignore_eos=True)
+        assert [r.raw_text for r in batch] == [r.raw_text for r in single]
 
 
 def test_server_reuses_stored_caches_by_content(llm):
