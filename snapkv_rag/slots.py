@@ -189,7 +189,10 @@ class SlotCache(LayerTrackingCache):
             return set()
         # kept allocations (compiled steps) take every row at once: a graph is then per (batch, capacity)
         new_rows = self.max_rows if self.keep else max(self.rows, min(bucket(rows), self.max_rows))
-        new_capacity = max(self.capacity, capacity_bucket(slots))
+        # eager, with no row in use: what is needed, rounded to MIN_CAPACITY (a long lone prompt does not
+        # pay the bucket's up to 1.5x); buckets where rows would be copied again or graphs captured again
+        fresh = not self.keep and not self.held
+        new_capacity = max(self.capacity, -(-slots // MIN_CAPACITY) * MIN_CAPACITY if fresh else capacity_bucket(slots))
         if self.rows:
             log.info("snapkv_rag: slot cache grows to %d rows x %d slots", new_rows, new_capacity)
         written: set[int] = set()

@@ -102,3 +102,20 @@ def test_a_lone_request_lets_its_prefilled_cache_go_as_it_joins(tiny_model, toke
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert torch.equal(first.positions, second.positions) and torch.equal(first.counters, second.counters)
     llm.close()
+
+
+def test_a_lone_eager_request_gets_the_capacity_it_needs(tiny_model, tokenizer):
+    """No row in use: the buffers are what the request needs, rounded up to 256 slots, not to the
+    next bucket (up to 1.5x); rows joining a running batch grow it by buckets."""
+    llm = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, snapkv=False)
+    slots = llm.runner.new_slots(4)
+    lone = _prefilled(llm, 12)
+    need = max(kv.slots for kv in lone.layers if isinstance(kv, LayerKV)) + 8
+    slots.join(0, lone, room=8, token=1)
+    assert need <= slots.capacity < need + 256 and slots.capacity % 256 == 0
+    longer = _prefilled(llm, 16)
+    slots.join(1, longer, room=8, token=1)  # a row in use: the next bucket, as before
+    from snapkv_rag.slots import capacity_bucket
+
+    assert slots.capacity == capacity_bucket(max(kv.slots for kv in longer.layers if isinstance(kv, LayerKV)) + 8)
+    llm.close()
