@@ -120,9 +120,11 @@ def report(rows: list[dict]) -> dict:
             groups[label].append(row)
     table = []
     for label, members in sorted(groups.items()):
-        scores = [scored(r) for r in members]
-        for name in sorted(scores[0], key=lambda n: (n.split("@")[1], n)):
+        every = [scored(r) for r in members]
+        names = sorted({n for s in every for n in s}, key=lambda n: (n.split("@")[1], n))
+        for name in names:  # a method added (or dropped) part way: the prompts that have it
             baseline = f"{BASELINE}@{name.split('@')[1]}"
+            scores = [s for s in every if name in s and baseline in s]
             record = {"set": label, "share": name.split("@")[1], "method": name, "n": len(scores)}
             for metric in (*METRICS, "f1_minus_full"):
                 values = [s[name][metric] for s in scores]
@@ -152,11 +154,11 @@ def markdown(summary: dict) -> str:
              f"SnapKV at the same share on the same prompts.", ""]
     for label in dict.fromkeys(r["set"] for r in summary["table"]):
         records = [r for r in summary["table"] if r["set"] == label]
-        lines += [f"## {label} ({records[0]['n']} prompts)", "",
-                  "| share | method | identical to full | vs SnapKV | F1 vs full | vs SnapKV | answer F1 - full |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [f"## {label} ({max(r['n'] for r in records)} prompts; n: those a method ran on)", "",
+                  "| share | method | n | identical to full | vs SnapKV | F1 vs full | vs SnapKV | answer F1 - full |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in records:
-            lines.append(f"| {r['share']} | {r['method']} | {_cell(r, 'identical_to_full')} | "
+            lines.append(f"| {r['share']} | {r['method']} | {r['n']} | {_cell(r, 'identical_to_full')} | "
                          f"{_cell(r, 'identical_to_full', True)} | {_cell(r, 'f1_vs_full')} | "
                          f"{_cell(r, 'f1_vs_full', True)} | {_cell(r, 'f1_minus_full')} |")
         lines.append("")
