@@ -76,7 +76,8 @@ def _over_stored(layer, query: torch.Tensor, base: str) -> torch.Tensor | None:
     b, h_kv, _ = positions.shape
     q = query.shape[-2]
     at = layer.prefix_length + torch.arange(q, device=positions.device)  # the tail queries' positions
-    lower = at - (layer.spec.window if layer.spec.window is not None else at.max() + 2)  # a key must be above
+    window = layer.spec.window  # a key must lie above `lower` (every position does in a full layer)
+    lower = at - window if window is not None else torch.full_like(at, -1)
     held = (positions[:, :, None, :] > lower[:, None]) & (positions >= 0)[:, :, None, :]
     tail = (at[None, :] <= at[:, None]) & (at[None, :] > lower[:, None])
     return _decode_mask(torch.cat([held, tail.expand(b, h_kv, q, q)], dim=-1), query, base)

@@ -36,7 +36,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-
 from . import __version__, prefix_cache, ragged
 from .cache import FULL, NONE, SLIDING, LayerKV
 from .config import KeyNormConfig, KVzipConfig, RandomConfig, StreamingLLMConfig

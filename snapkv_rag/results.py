@@ -133,3 +133,17 @@ def finish_result(row_text, documents: list[Document], prompt_tokens: int, compr
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(row_text.token_ids)),
         compression=compression, timings=timings, finish_reason=row_text.finish_reason, documents=documents,
         raw_text=row_text.text, logprobs=row_text.logprobs)
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot: requests waiting, requests decoding, the batch limit, and totals so far."""
+
+    queued: int
+    running: int
+    max_batch: int
+    finished: int
+    generated_tokens: int
+    prompt_tokens: int
+    kept_prompt_tokens: int
+    prefills: int = 0  # prompts prefilled (n choices, or the methods of ``compare``, share one)

@@ -30,7 +30,7 @@ import torch
 
 from . import choices, prefix_cache, structured
 from .cache import Compressed
-from .results import CompressionStats, compression_stats
+from .results import CompressionStats, SchedulerStats, compression_stats  # noqa: F401 (SchedulerStats: re-exported)
 from .runner import Prefilled, Runner, StepClock
 from .sampling import GREEDY, SamplingOptions, SamplingSlots, sample
 from .row_states import state_bytes
@@ -52,20 +52,6 @@ class Outcome:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     constraint: Any = None  # the row's grammar state at its end (each choice has its own)
     choices: list = field(default_factory=list)  # n > 1: every choice's Outcome (this one is choice 0)
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot: requests waiting, requests decoding, the batch limit, and totals so far."""
-
-    queued: int
-    running: int
-    max_batch: int
-    finished: int
-    generated_tokens: int
-    prompt_tokens: int
-    kept_prompt_tokens: int
-    prefills: int = 0  # prompts prefilled (n choices, or the methods of ``compare``, share one)
 
 
 @dataclass

@@ -152,10 +152,10 @@ class SlotCache(LayerTrackingCache):
             if consume:
                 compressed.layers[i] = None
 
-        written = self._reserve(row + 1, start + room, compressed, write)
+        grown = self._reserve(row + 1, start + room, compressed, write)  # grown: every layer written
         with torch.inference_mode():
             for slot_layer, layer_positions in zip(self.attention, positions):
-                if slot_layer.index not in written:
+                if not grown:
                     write(slot_layer)
                 n = layer_positions.shape[-1]
                 self.positions[slot_layer.index, row] = -1
@@ -179,14 +179,14 @@ class SlotCache(LayerTrackingCache):
         """The batch bucket a step runs: the smallest that covers every row in use."""
         return min(bucket(max(self.held) + 1), self.rows)
 
-    def _reserve(self, rows: int, slots: int, like: Compressed, write=None) -> set[int]:
+    def _reserve(self, rows: int, slots: int, like: Compressed, write=None) -> bool:
         """Room for ``rows`` rows of ``slots`` slots: reallocated to the next buckets when short (rare:
         at most a few times per run; each time the rows in use are copied once). The layers' head
         counts, head sizes and dtype are those of ``like``. ``write(layer)`` is called on each layer
         right after its new buffers are in place (the joining row written before the next layer's
-        buffers are allocated); returns the attention layers so written (none when no growth)."""
+        buffers are allocated); returns whether it grew (and so wrote every layer)."""
         if rows <= self.rows and slots <= self.capacity:
-            return set()
+            return False
         # kept allocations (compiled steps) take every row at once: a graph is then per (batch, capacity)
         new_rows = self.max_rows if self.keep else max(self.rows, min(bucket(rows), self.max_rows))
         # eager, with no row in use: what is needed, rounded to MIN_CAPACITY (a long lone prompt does not
@@ -206,7 +206,7 @@ class SlotCache(LayerTrackingCache):
             for buffer in [self.positions, self.counters, *(t for layer in self.attention for t in (layer.keys, layer.values))]:
                 torch._dynamo.mark_static_address(buffer, guard=False)
         self.rows, self.capacity = new_rows, new_capacity
-        return written
+        return True
 
     def _grow(self, new_rows: int, new_capacity: int, like: Compressed, write, written: set[int]) -> None:
         """Layer by layer: the new buffers, the rows in use copied in, the old ones let go."""
@@ -219,8 +219,7 @@ class SlotCache(LayerTrackingCache):
             if layer.keys is not None:
                 keys[: self.rows, :, : self.capacity] = layer.keys
                 values[: self.rows, :, : self.capacity] = layer.values
-            layer.keys, layer.values = keys, values
-            layer.views = {n: (keys[:n], values[:n]) for n in {min(bucket(r), new_rows) for r in range(1, new_rows + 1)}}
+            layer.keys, layer.values, layer.views = keys, values, _views(keys, values, new_rows)
             written.add(layer.index)
             if write is not None:
                 write(layer)
@@ -252,10 +251,8 @@ class SlotCache(LayerTrackingCache):
             return
         for layer in self.attention:
             if layer.index in grown:
-                layer.keys = layer.keys[: self.rows, :, : self.capacity]
-                layer.values = layer.values[: self.rows, :, : self.capacity]
-                layer.views = {n: (layer.keys[:n], layer.values[:n])
-                               for n in {min(bucket(r), self.rows) for r in range(1, self.rows + 1)}}
+                keys, values = layer.keys[: self.rows, :, : self.capacity], layer.values[: self.rows, :, : self.capacity]
+                layer.keys, layer.values, layer.views = keys, values, _views(keys, values, self.rows)
 
     def _release(self) -> None:
         self.rows = self.capacity = 0
@@ -290,6 +287,11 @@ class SlotCache(LayerTrackingCache):
         """After a step over rows ``[0, b)``: the rows in use move on by one slot and one position."""
         self.write_at[:b] += self.active[:b]
         self.next_position[:b] += self.active[:b]
+
+
+def _views(keys: torch.Tensor, values: torch.Tensor, rows: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each batch bucket's first rows of a layer's buffers."""
+    return {n: (keys[:n], values[:n]) for n in {min(bucket(r), rows) for r in range(1, rows + 1)}}
 
 
 def request_states(compressed: Compressed, specs: list[LayerSpec]) -> dict:

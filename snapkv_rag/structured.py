@@ -20,6 +20,7 @@ unbounded string) is cut short but still parses.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -37,6 +38,7 @@ LOOKAHEAD = 256
 _REASON_PREFIX = re.compile(r'^"?(\[[0-9:]+\] )?\S+\.cc:[0-9]+: ')
 
 
+@functools.cache  # looked up once: the masks call it at every constrained step
 def _xgrammar():
     """xgrammar, imported on first use: the engine runs without it (e.g. a GPU image that lacks it);
     only a request with ``response_format`` or tools needs it."""
