@@ -187,8 +187,10 @@ class SlotCache(LayerTrackingCache):
         buffers are allocated); returns whether it grew (and so wrote every layer)."""
         if rows <= self.rows and slots <= self.capacity:
             return False
-        # kept allocations (compiled steps) take every row at once: a graph is then per (batch, capacity)
-        new_rows = self.max_rows if self.keep else max(self.rows, min(bucket(rows), self.max_rows))
+        # rows by buckets, also for kept allocations (compiled steps): a lone request does not hold
+        # max_rows rows; a graph belongs to one allocation (``generation``), so rows growing as more
+        # requests join cost one capture per bucket reached (at most log2(max_rows) + 1 per capacity)
+        new_rows = max(self.rows, min(bucket(rows), self.max_rows))
         # eager, with no row in use: what is needed, rounded to MIN_CAPACITY (a long lone prompt does not
         # pay the bucket's up to 1.5x); buckets where rows would be copied again or graphs captured again
         fresh = not self.keep and not self.held

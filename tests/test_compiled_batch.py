@@ -31,11 +31,12 @@ class OpCounter(TorchDispatchMode):
 
 
 def watch_steps(llm: SnapKVLLM, count_ops: bool) -> tuple[OpCounter, set]:
-    """Wrap the runner's decode step: the (batch bucket, capacity) of every step, and its operators."""
+    """Wrap the runner's decode step: the (batch bucket, rows allocated, capacity) of every step (one
+    compiled graph each at most), and its operators."""
     counter, buckets, step = OpCounter(), set(), llm.runner.decode_step
 
     def watched(slots, b, pick=None):
-        buckets.add((b, slots.capacity))
+        buckets.add((b, slots.rows, slots.capacity))
         if not count_ops:
             return step(slots, b, pick)
         with counter:
@@ -78,7 +79,7 @@ def test_sixteen_requests_join_and_leave_a_compiled_batch(tiny_model, tokenizer,
     assert max(r.timings.batch_size for r in got) == 4  # rows left and others joined mid-run
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert 1 <= counters["stats"]["unique_graphs"] <= len(buckets), (dict(counters["stats"]), buckets)
-    assert {b for b, _ in buckets} <= {1, 2, 4}
+    assert {b for b, _, _ in buckets} <= {1, 2, 4}
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])

@@ -119,3 +119,19 @@ def test_a_lone_eager_request_gets_the_capacity_it_needs(tiny_model, tokenizer):
 
     assert slots.capacity == capacity_bucket(max(kv.slots for kv in longer.layers if isinstance(kv, LayerKV)) + 8)
     llm.close()
+
+
+def test_a_compiled_engine_holds_rows_for_the_requests_it_runs_not_for_max_batch(tiny_model, tokenizer):
+    """The kept allocation of a compiled step (its CUDA graphs belong to it) grows its rows by batch
+    buckets as requests join, and keeps them when they leave: one long request on an engine made for
+    16 holds one row, not 16 (on a 7B model at 16K tokens: 12 GiB of slots, not 192)."""
+    llm = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, snapkv=False)
+    slots = SlotCache(tiny_model.config, llm.runner.specs, 16, llm.runner.device, keep=True)
+    slots.join(0, _prefilled(llm, 6), room=8, token=1)
+    assert slots.rows == 1
+    slots.join(2, _prefilled(llm, 3), room=8, token=1)
+    assert slots.rows == 4 and slots.attention[0].keys.shape[0] == 4
+    slots.leave(0)
+    slots.leave(2)
+    assert slots.rows == 4 and slots.attention[0].keys is not None  # kept for the next requests and graphs
+    llm.close()
