@@ -24,7 +24,8 @@ and the prefix's token ids (which the documents, the instruction and the chat te
 entry leaves only by LRU eviction (counted in :meth:`DocStore.stats`); a handle whose entry left is
 indexed again on its next use (counted as a miss). Files: :mod:`snapkv_rag.doc_files`.
 Full and sliding-window attention layers (a sliding layer's tail sees what lies inside each query's
-window); latent attention and recurrent / hybrid layers are refused.
+window) and multi-head latent attention (the kept latents, one selection for every head); recurrent
+and hybrid layers are refused.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from . import __version__, prefix_cache, ragged
-from .cache import FULL, NONE, SLIDING, LayerKV
+from .cache import FULL, LATENT, NONE, SLIDING, LayerKV
 from .config import KeyNormConfig, KVzipConfig, RandomConfig, StreamingLLMConfig
 from .lru import ByteLRU
 from .prompts import Document, DocumentLike
@@ -217,11 +218,11 @@ class DocStore:
 def unsupported(llm) -> str | None:
     """Why ``llm``'s model cannot answer from a stored cache (``None``: it can)."""
     for i, spec in enumerate(llm.runner.specs):
-        if spec.state or spec.kind not in (FULL, SLIDING, NONE):
+        if spec.state or spec.kind not in (FULL, SLIDING, LATENT, NONE):
             return (f"layer {i} of {type(llm.model).__name__} is {spec.kind}"
                     f"{' with a recurrent state' if spec.state else ''}: a stored document cache reuses the kept "
-                    "K/V of full and sliding-window attention layers only (the store does not hold recurrent "
-                    "states or latent attention)")
+                    "K/V of full, sliding-window and latent attention layers only (the store does not hold "
+                    "recurrent states)")
     return None
 
 

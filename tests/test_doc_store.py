@@ -192,11 +192,32 @@ def test_documents_over_the_context_window(tokenizer):
     assert small.doc_stats().entries == 0
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "deepseek-v3"])
-def test_recurrent_and_latent_models_are_refused(family, tokenizer):
+@pytest.mark.parametrize("family", ["qwen3-next"])
+def test_recurrent_models_are_refused(family, tokenizer):
     llm = SnapKVLLM(model=family_model(family, len(tokenizer)), tokenizer=tokenizer)
-    with pytest.raises(ValueError, match="index_documents: layer .* full and sliding-window attention layers only"):
+    with pytest.raises(ValueError, match="index_documents: layer .* attention layers only"):
         llm.index_documents(DOCS, method=HALF)
+
+
+def test_latent_attention_models_answer_over_a_stored_set(tokenizer, tmp_path):
+    """Multi-head latent attention (DeepSeek-V3: the cache holds one latent and one rotary key per
+    token for every head): kept whole, the tail over the stored set gives the whole prompt's tokens;
+    compressed (key-norm, KVzip), a batch equals single calls, and a saved set answers the same."""
+    llm = SnapKVLLM(model=family_model("deepseek-v3", len(tokenizer)), tokenizer=tokenizer, max_new_tokens=8)
+    whole = llm.index_documents(DOCS, method=KeyNormConfig(ratio=1.0))
+    for question in QUESTIONS:
+        over, alone = whole.generate(question, ignore_eos=True), llm.generate(question, DOCS, snapkv=False, ignore_eos=True)
+        assert over.raw_text == alone.raw_text and over.usage.cached_tokens == whole.prompt_tokens
+    for method in (HALF, KVzipConfig(ratio=0.5, window_size=8)):
+        handle = llm.index_documents(DOCS, method=method)
+        assert 0.45 < handle.kept_bytes / handle.full_bytes < 0.55
+        single = [handle.generate(q, ignore_eos=True) for q in QUESTIONS]
+        assert all(r.usage.completion_tokens == 8 and r.usage.cached_tokens == handle.prompt_tokens for r in single)
+        batch = llm.generate_batch(QUESTIONS, [handle] * 3, ignore_eos=True)
+        assert [r.raw_text for r in batch] == [r.raw_text for r in single]
+        handle.save(tmp_path / "latent.safetensors", overwrite=True)
+        loaded = llm.load_documents(tmp_path / "latent.safetensors")
+        assert [loaded.generate(q, ignore_eos=True).raw_text for q in QUESTIONS] == [r.raw_text for r in single]
 
 
 @pytest.mark.parametrize("family", ["mistral-window", "gemma3", "cohere2"])
