@@ -255,19 +255,24 @@ class _Compressor:
 
 
 @contextlib.contextmanager
-def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[int], reread: int = 0
-                ) -> Iterator[dict[str, list[Compressed]]]:
+def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[int], reread: int = 0,
+                states: PromptCache | None = None) -> Iterator[dict[str, list[Compressed]]]:
     """While open, the forward pass of a prompt of rows with ``lengths`` real tokens (left padded) run
     with ``cache`` compresses every attention layer right after its attention, once per method of
     ``methods`` (name -> config, ``None`` for the full cache). Yields name -> one :class:`Compressed`
     per row, complete when the block ends (recurrent layers and hybrid layers' states: each gets its
     own copy of the state). ``reread``: the pass is one prompt of ``lengths[0]`` tokens followed by
     ``reread`` tokens of KVzip's re-read (:class:`~snapkv_rag.config.KVzipConfig`), which vote for
-    that method and are cut off for every method."""
+    that method and are cut off for every method; the recurrent states are then taken from ``states``
+    (a pass over the prompt alone that keeps no K/V, run by ``Runner.prefill``), since this pass runs them on through the
+    re-read."""
     if not methods:
         raise ValueError("compression: give at least one method")
     if any(isinstance(m, KVzipConfig) for m in methods.values()) and not (reread and len(lengths) == 1):
         raise ValueError("kvzip: the pass must hold one prompt and its re-read (Runner.prefill builds it)")
+    if reread and states is None and any(spec.state for spec in cache.specs):
+        raise ValueError("kvzip: a model with recurrent layers needs their states after the prompt alone "
+                         "(Runner.prefill runs that pass)")
     compressor = _Compressor(cache, dict(methods), list(lengths), reread)
     for name, method in compressor.methods.items():
         compressor.out[name] = [Compressed(method, cache.specs, [None] * len(cache.specs), real) for real in lengths]
@@ -288,10 +293,11 @@ def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[in
     for i, spec in enumerate(cache.specs):
         if not spec.state:
             continue
-        state = cache.layers[i]
+        source = (cache if states is None else states).layers[i]
+        state = source
         if spec.attends:  # a hybrid layer: its state alone, beside the kept K/V
-            state = LinearAttentionLayer(number_of_states=state.number_of_states)
-            move_state(cache.layers[i], state)
+            state = LinearAttentionLayer(number_of_states=source.number_of_states)
+            move_state(source, state)
         for n, compressed in enumerate(copies):  # the last one takes the state itself, the others a copy
             own = state if n == len(copies) - 1 else copy.deepcopy(state)
             if spec.attends:

@@ -211,8 +211,8 @@ class KVzipConfig(SnapKVConfig):
     largest weight the re-reading queries give it (the maximum over those queries and over the
     query heads sharing the KV head, in chunks of ``chunk`` queries), pooled with ``kernel_size``
     (default 1: none). What the documents need to be rebuilt is kept, whatever the question. It
-    costs a second prompt's worth of prefill. Not for models with recurrent layers (the re-read
-    would run through their state).
+    costs a second prompt's worth of prefill; a model with recurrent layers one more (the re-read
+    would run their states on: they are taken from a pass over the prompt alone).
 
     ``share`` says who shares the budget (:mod:`snapkv_rag.shared_budget`). ``"model"`` (default,
     the paper's): every position of every layer and KV head is ranked together and the best ones

@@ -123,7 +123,8 @@ class Runner:
         a document prefix (:mod:`snapkv_rag.prefix_cache`): taken from the prefix cache when there,
         else kept in it after this prefill; the selection is the same either way. A KVzip method
         (:class:`KVzipConfig`) runs its re-read in the same pass: the prompt, then the repeat
-        instruction and the prompt again (see :meth:`_with_reread`; no prefix is reused then)."""
+        instruction and the prompt again (see :meth:`_with_reread`; no prefix is reused then); a model
+        with recurrent layers runs the prompt alone once more first, for their states after it."""
         self.attach()
         reread = self._with_reread(prompts, methods)
         start = time.perf_counter()
@@ -138,8 +139,14 @@ class Runner:
         if reread:  # one prompt, and its re-read after it in the same pass
             batch = Batch.of([prompts[0] + reread], self.pad_id, self.device)
             positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+        states = None
+        if reread and any(spec.state for spec in self.specs):  # the re-read would run the states on
+            states = _states_only(PromptCache(self.model.config, self.specs))
+            with self.lock, torch.inference_mode(), self._sliced():
+                self._forward(torch.tensor([prompts[0]], device=self.device), None,
+                              torch.arange(len(prompts[0]), device=self.device)[None], states)
         with self.lock, torch.inference_mode(), sliced, \
-                compressing(cache, methods, lengths, reread=len(reread)) as compressed:
+                compressing(cache, methods, lengths, reread=len(reread), states=states) as compressed:
             logits = self._forward(batch.ids, batch.mask if batch.padded else None, positions, cache,
                                    at=lengths[0] - 1 if reread else None)
         if capture is not None and not capture.too_big:
@@ -198,9 +205,6 @@ class Runner:
         if not any(isinstance(m, KVzipConfig) for m in methods.values()):
             return []
         name = type(self.model).__name__
-        if any(spec.state for spec in self.specs):
-            raise ValueError(f"kvzip: {name} has recurrent layers, which the re-read pass would run through; "
-                             "use keynorm (query-agnostic too) or snapkv")
         if len(prompts) != 1:
             raise ValueError("kvzip: one prompt per prefill (the re-read follows its own prompt)")
         extra = list(self.repeat_ids) + list(prompts[0])
@@ -371,3 +375,15 @@ def tail_hook(cache, layers: Sequence[LayerKV | None], length: int, total: int):
 
     hook.layers = [None] * len(layers)
     return hook
+
+
+def _states_only(cache: PromptCache) -> PromptCache:
+    """``cache`` set to keep nothing of its attention layers' K/V (each let go after its attention):
+    a pass with it leaves only the recurrent states, at the end of what it ran."""
+
+    def drop(layer_idx: int, *_) -> None:
+        layer = cache.layers[layer_idx]
+        layer.pending, layer.done = None, True
+
+    cache.compress = drop
+    return cache

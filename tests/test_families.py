@@ -229,9 +229,8 @@ def test_compare_equals_generate_for_every_method(family):
                "docsnapkv": DocSnapKVConfig(max_capacity_prompt=128, window_size=8),
                "keynorm": KeyNormConfig(max_capacity_prompt=64, window_size=8),
                "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0)}
-    if not any(spec.state for spec in llm.runner.specs):  # (refused with recurrent layers: test_query_agnostic)
-        methods["kvzip"] = KVzipConfig(max_capacity_prompt=64, window_size=8)
-        methods["kvzip-model"] = KVzipConfig(max_capacity_prompt=64, window_size=8, share="model", sink_tokens=2)
+    methods["kvzip"] = KVzipConfig(max_capacity_prompt=64, window_size=8)
+    methods["kvzip-model"] = KVzipConfig(max_capacity_prompt=64, window_size=8, share="model", sink_tokens=2)
     docs = filler_documents(4)
     both = llm.compare(QUESTION, docs, methods=methods, max_new_tokens=10)
     for name, config in methods.items():

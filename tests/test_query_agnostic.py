@@ -154,10 +154,25 @@ def test_kvzip_beside_other_methods_leaves_them_as_alone(tiny_engine):
     assert both.results["kvzip"].compression.kept_tokens[0] == 64
 
 
-def test_kvzip_on_a_model_with_recurrent_layers_is_refused_by_name(tokenizer):
-    llm = SnapKVLLM(model=tiny_model("lfm2", len(tokenizer)), tokenizer=tokenizer)
-    with pytest.raises(ValueError, match="kvzip: Lfm2ForCausalLM has recurrent layers.*keynorm"):
-        llm.generate("Which harbour?", filler_documents(2), snapkv=KVzipConfig(max_capacity_prompt=64, window_size=8),
-                     max_new_tokens=2)
-    assert llm.generate("Which harbour?", filler_documents(2), snapkv=KeyNormConfig(max_capacity_prompt=64,
-                        window_size=8), max_new_tokens=2).usage.completion_tokens > 0
+@pytest.mark.parametrize("family", ["lfm2", "qwen3-next", "falcon-h1", "zamba2"])
+def test_kvzip_on_models_with_recurrent_layers_keeps_the_states_after_the_prompt(family, tokenizer):
+    """The re-read pass runs the recurrent states on through the re-read; the states a request
+    decodes from are those after the prompt alone (one more pass): kept whole, KVzip's answer is
+    the full cache's, token for token; compressed, it answers, and compare equals generate."""
+    llm = SnapKVLLM(model=tiny_model(family, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=8)
+    docs = filler_documents(3)
+    whole = llm.generate("Which harbour?", docs, snapkv=KVzipConfig(ratio=1.0, window_size=8), ignore_eos=True)
+    full = llm.generate("Which harbour?", docs, snapkv=False, ignore_eos=True)
+    assert whole.compression.method == "kvzip" and whole.raw_text == full.raw_text
+    half = KVzipConfig(ratio=0.5, window_size=8)
+    alone = llm.generate("Which harbour?", docs, snapkv=half, ignore_eos=True)
+    both = llm.compare("Which harbour?", docs, methods={"kvzip": half, "full": None}, max_new_tokens=8, ignore_eos=True)
+    assert alone.usage.completion_tokens == 8 and 0 < alone.compression.ratio < 0.7
+    assert both.results["kvzip"].raw_text == alone.raw_text and both.results["full"].raw_text == full.raw_text
+    ids = llm.request("Which harbour?", docs, "text").input_ids
+    plain = llm.runner.prefill([ids], {"full": None}).compressed["full"][0]
+    reread = llm.runner.prefill([ids], {"kvzip": KVzipConfig(max_capacity_prompt=64, window_size=8)}).compressed["kvzip"][0]
+    held = [(getattr(a, "state", a), getattr(b, "state", b)) for a, b, spec in zip(plain.layers, reread.layers,
+                                                                                    llm.runner.specs) if spec.state]
+    assert held and all((x[k] is None and y[k] is None) or torch.equal(x[k], y[k]) for a, b in held for name in ("conv_states", "recurrent_states")
+                        for x, y in [(getattr(a, name), getattr(b, name))] if isinstance(x, dict) for k in x)
