@@ -3,7 +3,8 @@
 The tensors are ``layer.<i>.keys`` / ``.values`` / ``.positions`` per attention layer, packed
 without padding (every head's kept slots one after another, with ``.counts`` per head and the
 padded ``.width``: :mod:`snapkv_rag.ragged`; a layer that layout does not fit is saved padded, as
-every layer was in the first format, which still loads); the
+every layer was in the first format, which still loads); a recurrent layer's state after the
+prefix is ``state.<i>.conv_states.<n>`` / ``.recurrent_states.<n>``, its flags in the metadata; the
 safetensors header's metadata holds one JSON string, ``snapkv_rag``: the file format, the
 library version, the model's and tokenizer's identity, the method with its settings, the prefix's
 token ids, the documents (and a hash of their text), the instruction, the entry's key and a
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from transformers.cache_utils import LinearAttentionLayer
 
 from . import ragged
 from .cache import LayerKV
@@ -36,6 +38,9 @@ from .ragged import PackedKV
 FORMAT = "snapkv-rag-documents/2"  # /2: ragged heads packed (ragged.PackedKV)
 READS = ("snapkv-rag-documents/1", FORMAT)  # /1: every layer padded to its widest head
 META = "snapkv_rag"
+TENSOR_STATES = ("conv_states", "recurrent_states")  # a recurrent layer's state object: its tensors
+FLAG_STATES = ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
+               "conv_kernel_size")  # ... and its flags (JSON)
 
 
 def _tensors(entry: Stored) -> dict[str, torch.Tensor]:
@@ -50,7 +55,36 @@ def _tensors(entry: Stored) -> dict[str, torch.Tensor]:
             parts = {"keys": packed.keys, "values": packed.values, "positions": packed.positions,
                      "counts": packed.counts, "width": torch.tensor([packed.width])}
         out.update({f"layer.{i}.{name}": t.contiguous().cpu() for name, t in parts.items()})
+    for i, state in enumerate(entry.states):
+        for name in TENSOR_STATES if state is not None else ():
+            out.update({f"state.{i}.{name}.{n}": t.contiguous().cpu() for n, t in getattr(state, name).items()
+                        if t is not None})
     return out
+
+
+def _state_meta(entry: Stored) -> dict:
+    """Per recurrent layer the flags of its state object (its tensors are saved as ``state.<i>.*``)."""
+    return {str(i): {"number_of_states": state.number_of_states,
+                     **{name: {str(n): v for n, v in getattr(state, name).items()} for name in FLAG_STATES}}
+            for i, state in enumerate(entry.states) if state is not None}
+
+
+def _states(meta: dict, tensors: dict[str, torch.Tensor], layers: int, device) -> tuple:
+    """The state objects saved by :func:`_tensors` and :func:`_state_meta` (``()``: none)."""
+    if not meta:
+        return ()
+    states = [None] * layers
+    for i, flags in meta.items():
+        state = LinearAttentionLayer(number_of_states=int(flags["number_of_states"]))
+        for name in FLAG_STATES:
+            setattr(state, name, {int(n): v for n, v in flags[name].items()})
+        for name in TENSOR_STATES:
+            found = {n: tensors.get(f"state.{i}.{name}.{n}") for n in range(state.number_of_states)}
+            setattr(state, name, {n: None if t is None else t.to(device) for n, t in found.items()})
+        first = next(t for name in TENSOR_STATES for t in getattr(state, name).values() if t is not None)
+        state.dtype, state.device = first.dtype, first.device
+        states[int(i)] = state
+    return tuple(states)
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -83,7 +117,8 @@ def save(llm, entry: Stored, path, overwrite: bool = False) -> None:
     meta = {"format": FORMAT, "key": entry.key, **identity(llm), "method": method_json(entry.method),
             "ids": list(entry.ids), "layers": len(entry.layers), "instruction": entry.instruction,
             "documents": [{"text": d.text, "title": d.title, "id": d.id} for d in entry.documents],
-            "documents_hash": documents_hash(entry.documents), "checksum": _checksum(tensors)}
+            "documents_hash": documents_hash(entry.documents), "states": _state_meta(entry),
+            "checksum": _checksum(tensors)}
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     save_file(tensors, str(partial), metadata={META: json.dumps(meta)})
     os.replace(partial, path)
@@ -128,4 +163,5 @@ def load(llm, path) -> Stored:
         elif "keys" in part:  # a padded layer (and every layer of the first format)
             packed[i] = ragged.pack(LayerKV(part["keys"][None], part["values"][None], part["positions"][None]))
     documents = tuple(Document(text=d["text"], title=d["title"], id=d["id"]) for d in meta["documents"])
-    return Stored(meta["key"], ids, tuple(packed), method, documents, meta["instruction"])
+    states = _states(meta.get("states") or {}, tensors, len(packed), device)
+    return Stored(meta["key"], ids, tuple(packed), method, documents, meta["instruction"], states)

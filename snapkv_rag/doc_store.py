@@ -24,8 +24,9 @@ and the prefix's token ids (which the documents, the instruction and the chat te
 entry leaves only by LRU eviction (counted in :meth:`DocStore.stats`); a handle whose entry left is
 indexed again on its next use (counted as a miss). Files: :mod:`snapkv_rag.doc_files`.
 Full and sliding-window attention layers (a sliding layer's tail sees what lies inside each query's
-window) and multi-head latent attention (the kept latents, one selection for every head); recurrent
-and hybrid layers are refused.
+window), multi-head latent attention (the kept latents, one selection for every head), and recurrent
+and hybrid layers: their conv / SSM states after the prefix are stored beside the K/V (whole: a
+state is not per token), and a tail over them runs one token per step (:mod:`snapkv_rag.tails`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from . import __version__, prefix_cache, ragged
-from .cache import FULL, LATENT, NONE, SLIDING, LayerKV
+from .cache import FULL, LATENT, NONE, RECURRENT, SLIDING, LayerKV
 from .config import KeyNormConfig, KVzipConfig, RandomConfig, StreamingLLMConfig
 from .lru import ByteLRU
 from .prompts import Document, DocumentLike
@@ -121,12 +122,15 @@ class Stored:
     method: Any
     documents: tuple[Document, ...]
     instruction: str
+    states: tuple = ()  # per layer its conv / SSM state after the prefix (None: none); () without any
 
     @classmethod
-    def of(cls, key: str, ids: Sequence[int], layers: Sequence[LayerKV | None], method, documents, instruction: str):
-        """From the compressed layers (ragged heads padded, as a prefill leaves them)."""
-        return cls(key, tuple(ids), tuple(None if kv is None else ragged.pack(kv) for kv in layers), method,
-                   tuple(documents), instruction)
+    def of(cls, key: str, ids: Sequence[int], layers: Sequence, method, documents, instruction: str):
+        """From a prefill's compressed layers (ragged heads padded, as a prefill leaves them; a
+        recurrent layer's state object, a hybrid layer's state beside its K/V)."""
+        states = tuple(kv.state if isinstance(kv, LayerKV) else None if kv is None else kv for kv in layers)
+        return cls(key, tuple(ids), tuple(ragged.pack(kv) if isinstance(kv, LayerKV) else None for kv in layers),
+                   method, tuple(documents), instruction, states if any(s is not None for s in states) else ())
 
     @property
     def layers(self) -> tuple[LayerKV | None, ...]:
@@ -160,7 +164,15 @@ class Stored:
     @property
     def nbytes(self) -> int:
         """Every tensor held (positions included): what the store's bound counts."""
-        return sum(p.nbytes for p in self.packed if p is not None)
+        return sum(p.nbytes for p in self.packed if p is not None) + sum(map(state_bytes, self.states))
+
+
+def state_bytes(state) -> int:
+    """The bytes of a recurrent layer's state object (its conv and SSM tensors)."""
+    if state is None:
+        return 0
+    tensors = [*state.conv_states.values(), *state.recurrent_states.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class DocStoreStats(prefix_cache.PrefixStats):
@@ -218,11 +230,9 @@ class DocStore:
 def unsupported(llm) -> str | None:
     """Why ``llm``'s model cannot answer from a stored cache (``None``: it can)."""
     for i, spec in enumerate(llm.runner.specs):
-        if spec.state or spec.kind not in (FULL, SLIDING, LATENT, NONE):
-            return (f"layer {i} of {type(llm.model).__name__} is {spec.kind}"
-                    f"{' with a recurrent state' if spec.state else ''}: a stored document cache reuses the kept "
-                    "K/V of full, sliding-window and latent attention layers only (the store does not hold "
-                    "recurrent states)")
+        if spec.kind not in (FULL, SLIDING, LATENT, NONE, RECURRENT):
+            return (f"layer {i} of {type(llm.model).__name__} is {spec.kind}: a stored document cache holds "
+                    "full, sliding-window and latent attention layers and recurrent states only")
     return None
 
 
@@ -309,7 +319,7 @@ def build(llm, documents: Sequence[DocumentLike], method) -> Stored:
         raise ValueError(f"documents: the indexed prompt is {at} tokens, which leaves no room for a question and "
                          f"an answer in the model's context window of {llm.context_window} tokens")
     pre = llm.runner.prefill([ids], {"": method and method.for_prompt(len(ids))})
-    layers = tuple(kv if isinstance(kv, LayerKV) else None for kv in pre.compressed[""][0].layers)
+    layers = pre.compressed[""][0].layers
     return Stored.of(entry_key(identity(llm), method, ids), ids, layers, method, request.documents, llm.instruction)
 
 

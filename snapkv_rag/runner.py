@@ -30,14 +30,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 
 from . import attention, prefix_cache
-from .cache import Compressed, LayerKV, PromptCache, compressing, layer_specs
+from .cache import Compressed, PromptCache, compressing, layer_specs
 from .config import KVzipConfig
 from .prefix_cache import PrefixCache
+from .tails import states_only, stepwise_tail, tail_hook
 from .slots import SlotCache
 
 log = logging.getLogger("snapkv_rag")
@@ -141,7 +142,7 @@ class Runner:
             positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
         states = None
         if reread and any(spec.state for spec in self.specs):  # the re-read would run the states on
-            states = _states_only(PromptCache(self.model.config, self.specs))
+            states = states_only(PromptCache(self.model.config, self.specs))
             with self.lock, torch.inference_mode(), self._sliced():
                 self._forward(torch.tensor([prompts[0]], device=self.device), None,
                               torch.arange(len(prompts[0]), device=self.device)[None], states)
@@ -159,20 +160,24 @@ class Runner:
     def prefill_stored(self, stored, ids: list[int]) -> Prefilled:
         """Run only ``ids[stored.length:]`` (the tail of a prompt over a stored compressed document
         set, :mod:`snapkv_rag.doc_store`) on top of the stored kept K/V, at the positions the tail has
-        in the whole prompt; the tail is kept whole (:func:`tail_hook`). A stitched document
-        prompt (:mod:`snapkv_rag.stitch`) prefills itself."""
+        in the whole prompt; the tail is kept whole (:mod:`snapkv_rag.tails`); with recurrent
+        layers, one token per step from the stored states. A stitched document prompt
+        (:mod:`snapkv_rag.stitch`) prefills itself."""
         self.attach()
         if hasattr(stored, "prefill"):
             return stored.prefill(self, ids)
         start = time.perf_counter()
         prefix = stored.prefix()  # the stored layers padded again, for this prefill
         cache = PromptCache(self.model.config, self.specs, prefix)
-        cache.compress = tail_hook(cache, prefix.layers, stored.length, len(ids))
-        tail = torch.tensor([ids[stored.length:]], device=self.device)
-        positions = torch.arange(stored.length, len(ids), device=self.device)[None]
         with self.lock, torch.inference_mode(), self._sliced():
-            logits = self._forward(tail, None, positions, cache)
-        compressed = Compressed(stored.config, self.specs, cache.compress.layers, len(ids))
+            if stored.states:
+                layers, logits = stepwise_tail(self._forward, cache, prefix, stored.states, ids, self.device)
+            else:
+                cache.compress = tail_hook(cache, prefix.layers, stored.length, len(ids))
+                tail = torch.tensor([ids[stored.length:]], device=self.device)
+                positions = torch.arange(stored.length, len(ids), device=self.device)[None]
+                logits, layers = self._forward(tail, None, positions, cache), cache.compress.layers
+        compressed = Compressed(stored.config, self.specs, layers, len(ids))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return Prefilled(compressed={"": [compressed]}, logits=logits, prefill_s=time.perf_counter() - start,
@@ -357,33 +362,3 @@ def _capture(step: Callable[[], torch.Tensor], slots: SlotCache, pool) -> Callab
         return out
 
     return replay
-
-
-def tail_hook(cache, layers: Sequence[LayerKV | None], length: int, total: int):
-    """The prompt cache's hook while a tail runs over a stored prefix of ``length`` tokens (its
-    ``layers``, padded): each layer's K/V (the kept ones, then the tail's) with their positions (the
-    kept ones, then the tail's ``length .. total``), kept whole. ``hook.layers`` is filled as the
-    layers run."""
-
-    def hook(layer_idx: int, query, vote_keys, scoring) -> None:
-        layer = cache.layers[layer_idx]
-        keys, values = layer.pending
-        stored = layers[layer_idx].positions
-        tail = torch.arange(length, total, device=stored.device).expand(1, stored.shape[1], -1)
-        hook.layers[layer_idx] = LayerKV(keys, values, torch.cat([stored, tail], dim=-1))
-        layer.pending, layer.done = None, True
-
-    hook.layers = [None] * len(layers)
-    return hook
-
-
-def _states_only(cache: PromptCache) -> PromptCache:
-    """``cache`` set to keep nothing of its attention layers' K/V (each let go after its attention):
-    a pass with it leaves only the recurrent states, at the end of what it ran."""
-
-    def drop(layer_idx: int, *_) -> None:
-        layer = cache.layers[layer_idx]
-        layer.pending, layer.done = None, True
-
-    cache.compress = drop
-    return cache

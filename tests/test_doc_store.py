@@ -192,11 +192,33 @@ def test_documents_over_the_context_window(tokenizer):
     assert small.doc_stats().entries == 0
 
 
-@pytest.mark.parametrize("family", ["qwen3-next"])
-def test_recurrent_models_are_refused(family, tokenizer):
-    llm = SnapKVLLM(model=family_model(family, len(tokenizer)), tokenizer=tokenizer)
-    with pytest.raises(ValueError, match="index_documents: layer .* attention layers only"):
-        llm.index_documents(DOCS, method=HALF)
+@pytest.mark.parametrize("family", ["lfm2", "qwen3-next", "falcon-h1", "zamba2", "nemotron-h"])
+def test_models_with_recurrent_layers_answer_over_a_stored_set(family, tokenizer, tmp_path):
+    """Recurrent and hybrid layers: the states after the documents are stored beside the kept K/V,
+    and each question's tail runs one token per step from a copy of them. Kept whole, the answers
+    equal a whole-prompt prefill's, question after question (the stored states are never stepped
+    in place); compressed (key-norm, KVzip), a batch equals single calls and a saved set answers
+    the same."""
+    llm = SnapKVLLM(model=family_model(family, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=8)
+    whole = llm.index_documents(DOCS, method=KeyNormConfig(ratio=1.0))
+    stored = [t.clone() for state in whole.entry().states if state is not None
+              for t in [*state.conv_states.values(), *state.recurrent_states.values()] if t is not None]
+    for question in QUESTIONS + QUESTIONS[:1]:
+        over, alone = whole.generate(question, ignore_eos=True), llm.generate(question, DOCS, snapkv=False, ignore_eos=True)
+        assert over.raw_text == alone.raw_text and over.usage.cached_tokens == whole.prompt_tokens
+    after = [t for state in whole.entry().states if state is not None
+             for t in [*state.conv_states.values(), *state.recurrent_states.values()] if t is not None]
+    assert stored and all(torch.equal(a, b) for a, b in zip(stored, after, strict=True))  # never stepped in place
+    for method in (HALF, KVzipConfig(ratio=0.5, window_size=8)):
+        handle = llm.index_documents(DOCS, method=method)
+        single = [handle.generate(q, ignore_eos=True) for q in QUESTIONS]
+        assert all(r.usage.completion_tokens == 8 and r.usage.cached_tokens == handle.prompt_tokens for r in single)
+        batch = llm.generate_batch(QUESTIONS, [handle] * 3, ignore_eos=True)
+        assert [r.raw_text for r in batch] == [r.raw_text for r in single]
+        handle.save(tmp_path / "recurrent.safetensors", overwrite=True)
+        fresh = SnapKVLLM(model=llm.model, tokenizer=tokenizer, max_new_tokens=8)
+        loaded = fresh.load_documents(tmp_path / "recurrent.safetensors")
+        assert [loaded.generate(q, ignore_eos=True).raw_text for q in QUESTIONS] == [r.raw_text for r in single]
 
 
 def test_latent_attention_models_answer_over_a_stored_set(tokenizer, tmp_path):
