@@ -10,7 +10,8 @@ process with its own time limit (so one step's failure or hang cannot take the o
 2. ``gpu_decode.py --concurrent``: 1, 8 and 16 concurrent requests through the scheduler, the
    same figures and tokens/s against one request's; gets the rest of that time;
 3. the engine's tiny-model tests (``tests/test_engine_tiny.py``, ``tests/test_compression.py``, the slot
-   cache's growth and, on CUDA only, the CUDA-graph step: ``tests/test_cuda_graphs.py``)
+   cache's growth and, on CUDA only, the CUDA-graph step: ``tests/test_cuda_graphs.py``; the tail over
+   stored recurrent states on the image's transformers: ``tests/test_recurrent_tail.py``)
    on the device in float32 and then bfloat16, with a word-level tokenizer written here (the
    embedded model is not on that machine);
 4. an eval smoke run (``python -m evals --smoke``) on the device, with a random-weight model folder
@@ -40,7 +41,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
-TESTS = ["tests/test_engine_tiny.py", "tests/test_compression.py", "tests/test_slot_growth.py", "tests/test_cuda_graphs.py"]
+TESTS = ["tests/test_engine_tiny.py", "tests/test_compression.py", "tests/test_slot_growth.py", "tests/test_cuda_graphs.py",
+         "tests/test_recurrent_tail.py"]
 
 
 def step(name: str, command: list[str], limit_s: float, out: Path, env: dict, report: dict) -> dict:

@@ -34,11 +34,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import attention, prefix_cache
+from . import attention, prefix_cache, tails
 from .cache import Compressed, PromptCache, compressing, layer_specs
 from .config import KVzipConfig
 from .prefix_cache import PrefixCache
-from .tails import states_only, stepwise_tail, tail_hook
 from .slots import SlotCache
 
 log = logging.getLogger("snapkv_rag")
@@ -103,6 +102,7 @@ class Runner:
         self._pool = None
         self._eager_logged = False
         self.repeat_ids: tuple[int, ...] = ()  # KVzip's repeat instruction, tokenized (set by the engine)
+        self.one_pass_tail = tails.ONE_PASS  # a tail over stored recurrent states in one pass (else stepwise)
         self.attach()
 
     def attach(self) -> None:
@@ -142,7 +142,7 @@ class Runner:
             positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
         states = None
         if reread and any(spec.state for spec in self.specs):  # the re-read would run the states on
-            states = states_only(PromptCache(self.model.config, self.specs))
+            states = tails.states_only(PromptCache(self.model.config, self.specs))
             with self.lock, torch.inference_mode(), self._sliced():
                 self._forward(torch.tensor([prompts[0]], device=self.device), None,
                               torch.arange(len(prompts[0]), device=self.device)[None], states)
@@ -160,8 +160,9 @@ class Runner:
     def prefill_stored(self, stored, ids: list[int]) -> Prefilled:
         """Run only ``ids[stored.length:]`` (the tail of a prompt over a stored compressed document
         set, :mod:`snapkv_rag.doc_store`) on top of the stored kept K/V, at the positions the tail has
-        in the whole prompt; the tail is kept whole (:mod:`snapkv_rag.tails`); with recurrent
-        layers, one token per step from the stored states. A stitched document prompt
+        in the whole prompt; the tail is kept whole (:mod:`snapkv_rag.tails`); recurrent layers
+        start from the stored states (one token per step where transformers cannot continue them
+        in one pass: ``one_pass_tail``). A stitched document prompt
         (:mod:`snapkv_rag.stitch`) prefills itself."""
         self.attach()
         if hasattr(stored, "prefill"):
@@ -170,13 +171,15 @@ class Runner:
         prefix = stored.prefix()  # the stored layers padded again, for this prefill
         cache = PromptCache(self.model.config, self.specs, prefix)
         with self.lock, torch.inference_mode(), self._sliced():
-            if stored.states:
-                layers, logits = stepwise_tail(self._forward, cache, prefix, stored.states, ids, self.device)
+            tails.with_states(cache, stored.states)
+            if stored.states and not self.one_pass_tail:
+                layers, logits = tails.stepwise_tail(self._forward, cache, prefix, ids, self.device)
             else:
-                cache.compress = tail_hook(cache, prefix.layers, stored.length, len(ids))
+                cache.compress = tails.tail_hook(cache, prefix.layers, stored.length, len(ids))
                 tail = torch.tensor([ids[stored.length:]], device=self.device)
                 positions = torch.arange(stored.length, len(ids), device=self.device)[None]
                 logits, layers = self._forward(tail, None, positions, cache), cache.compress.layers
+            layers = tails.states_after(cache, layers, stored.states)
         compressed = Compressed(stored.config, self.specs, layers, len(ids))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -4,10 +4,11 @@ recurrent states (KVzip's re-read on a model with recurrent layers).
 
 A tail over a stored set runs on top of the stored kept K/V at the positions it has in the whole
 prompt, and is kept whole (:func:`tail_hook`). On a model with recurrent layers (Mamba, linear
-attention, short convolutions; hybrid layers) the tail goes one token at a time
-(:func:`stepwise_tail`): transformers continues a stored conv / SSM state only in a one-token step
-(its multi-token path starts the state afresh), so each tail token is such a step, from a copy of
-the stored states; the attention layers see the stored slots and the tail so far, as in one pass.
+attention, short convolutions; hybrid layers) the tail starts from copies of the stored states
+(:func:`with_states`). transformers from :data:`ONE_PASS_FROM` continues a state through a
+multi-token pass (the conv input after the stored one, the SSM scan from it), so the tail is one
+pass there; before it, a multi-token pass started the state afresh, and the tail goes one token per
+step (:func:`stepwise_tail`), the attention layers seeing the stored slots and the tail so far.
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ import copy
 from typing import Callable, Sequence
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers.cache_utils import LinearAttentionLayer
 
 from .cache import LayerKV, PromptCache, PromptLayer, move_state
+
+ONE_PASS_FROM = Version("5.17")
+"""The transformers version from which a multi-token pass continues stored recurrent states (checked
+there and on the newest: ``tests/test_recurrent_tail.py``)."""
+ONE_PASS = Version(Version(transformers.__version__).base_version) >= ONE_PASS_FROM
 
 
 def tail_hook(cache, layers: Sequence[LayerKV | None], length: int, total: int):
@@ -51,21 +59,26 @@ def states_only(cache: PromptCache) -> PromptCache:
     return cache
 
 
-def stepwise_tail(forward: Callable, cache: PromptCache, prefix, states: Sequence, ids: list[int],
-                  device: torch.device) -> tuple[list, torch.Tensor]:
-    """``ids[prefix.length:]`` one token per step over ``cache`` (made over ``prefix``, the stored
-    layers padded), its recurrent layers starting from copies of ``states`` (per layer: the stored
-    state, ``None`` where there is none). Returns the layers a :class:`~snapkv_rag.cache.Compressed`
-    holds (kept K/V and the tail's; recurrent layers' state objects; a hybrid layer's state beside
-    its K/V) and the last token's logits. ``forward(ids, mask, positions, cache)`` runs the model."""
+def with_states(cache: PromptCache, states: Sequence) -> PromptCache:
+    """``cache`` with its recurrent layers starting from copies of ``states`` (per layer the stored
+    state, ``None`` where there is none): the stored entry is shared, so it is never stepped in place."""
     for i, state in enumerate(states):
         if state is None:
             continue
-        own = copy.deepcopy(state)  # the stored entry is shared: never stepped in place
+        own = copy.deepcopy(state)
         if isinstance(cache.layers[i], PromptLayer):  # a hybrid layer: attention part + this state
             move_state(own, cache.layers[i])
         else:
             cache.layers[i] = own
+    return cache
+
+
+def stepwise_tail(forward: Callable, cache: PromptCache, prefix, ids: list[int], device: torch.device
+                  ) -> tuple[list, torch.Tensor]:
+    """``ids[prefix.length:]`` one token per step over ``cache`` (made over ``prefix``, the stored
+    layers padded, with :func:`with_states`): each step's K/V join the slots the next step sees.
+    Returns the layers (the kept K/V and the tail's) and the last token's logits.
+    ``forward(ids, mask, positions, cache)`` runs the model."""
     layers, logits = list(prefix.layers), None
     for at in range(prefix.length, len(ids)):
         cache.compress = hook = tail_hook(cache, layers, at, at + 1)
@@ -74,10 +87,16 @@ def stepwise_tail(forward: Callable, cache: PromptCache, prefix, states: Sequenc
             if kv is not None:  # the next token runs over the slots so far
                 layers[i] = cache.layers[i].prefix = kv
                 cache.layers[i].prefix_length, cache.layers[i].done = at + 1, False
+    return layers, logits
+
+
+def states_after(cache: PromptCache, layers: list, states: Sequence) -> list:
+    """``layers`` (a tail's K/V per attention layer) with the recurrent states ``cache`` ends with:
+    a recurrent layer's state object in its place, a hybrid layer's beside its K/V."""
     for i, state in enumerate(states):
         if state is not None and isinstance(cache.layers[i], PromptLayer):
             layers[i].state = LinearAttentionLayer(number_of_states=cache.layers[i].number_of_states)
             move_state(cache.layers[i], layers[i].state)
         elif state is not None:
             layers[i] = cache.layers[i]
-    return layers, logits
+    return layers
