@@ -229,3 +229,25 @@ def test_soak_quick_mixed_load(tmp_path: Path) -> None:
     assert not any(report["five_xx"].values())
     assert report["health_at_end"] == 200 and report["answer_after_soak_correct"]
     assert _gone(report["pid"])
+
+
+def test_peer_presses_pairs_each_method_of_ours_against_kvpresss_best_press():
+    """The report names, per set and share, the press with the most answers identical to kvpress's
+    full cache, and pairs each method of ours against it on the prompts both ran."""
+    sys.path.insert(0, str(HERE))
+    import peer_presses
+
+    def row(i, ours_ada, press_a, press_b):
+        texts = {"ours:full": "Paris", "kvpress:full": "Paris", "ours:snapkv@25%": "Lyon",
+                 "kvpress:snapkv@25%": "Paris" if press_a else "Lyon", "kvpress:tova@25%": "Paris" if press_b else "Lyon"}
+        if ours_ada is not None:
+            texts["ours:adasnapkv@25%"] = "Paris" if ours_ada else "Lyon"
+        return {"example_id": f"nq-{i}", "dataset": "nq", "num_docs": 10, "answers": ["Paris"], "texts": texts}
+
+    rows = [row(0, None, True, False), row(1, True, True, False), row(2, True, False, True), row(3, False, True, False)]
+    found = {(r["set"], r["method"]): r for r in peer_presses.report(rows)["vs_best_press"]}
+    ada = found[("nq N=10", "ours:adasnapkv@25%")]
+    assert ada["best_press"] == "kvpress:snapkv@25%"  # 3 of 4 identical against TOVA's 1 of 4
+    assert ada["n"] == 3 and abs(ada["diff"] - (1 + 1 + 0 - (1 + 0 + 1)) / 3) < 1e-9  # prompts 1-3 only
+    assert found[("nq N=10", "ours:snapkv@25%")]["diff"] == -0.75
+    assert "| nq N=10 | 25% | ours:adasnapkv@25% | kvpress:snapkv@25% | 3 |" in peer_presses.markdown(peer_presses.report(rows))
