@@ -15,8 +15,10 @@ observation window's votes are the window's queries over all the prompt's keys. 
 computes the same sums in another order, so float rounding may differ in the last bits (measured in
 ``benchmarks/prefix_cache.py``).
 
-Not cached (a full prefill, said once in the log): recurrent and hybrid layers (their state is
-not a per-token K/V), multi-head latent attention, and H2O, which votes with every prompt query.
+Multi-head latent attention is cached as its latents (what the model's cache holds; the votes use
+the keys the model expands from them over the whole prompt). Not cached (a full prefill, said once
+in the log): recurrent and hybrid layers (their state after the prefix is not what a whole-prompt
+prefill leaves), and H2O, which votes with every prompt query.
 
 Entries are immutable: stored as clones, and a hit concatenates them with the new tokens' K/V
 into new tensors, so no request writes into them. The cache is bounded by bytes, least recently
@@ -33,7 +35,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .config import H2OConfig, SnapKVConfig
-from .layer_kinds import FULL, NONE, SLIDING, LayerSpec
+from .layer_kinds import FULL, LATENT, NONE, SLIDING, LayerSpec
 from .lru import ByteLRU
 
 log = logging.getLogger("snapkv_rag")
@@ -107,7 +109,7 @@ def boundary(input_ids: Sequence[int], spans) -> int | None:
 def unsupported(specs: Sequence[LayerSpec]) -> str | None:
     """Why a model's prompts cannot be reused from a prefix (``None``: they can)."""
     for i, spec in enumerate(specs):
-        if spec.state or spec.kind not in (FULL, SLIDING, NONE):
+        if spec.state or spec.kind not in (FULL, SLIDING, LATENT, NONE):
             return (f"layer {i} is {spec.kind}{' with a recurrent state' if spec.state else ''}: a prefix cache "
                     "reuses plain attention K/V only")
     return None

@@ -204,14 +204,14 @@ def test_a_prefix_larger_than_the_cache_is_not_kept(tiny_model, tokenizer, uncac
     assert (stats.entries, stats.stored, stats.misses) == (0, 0, 2)
 
 
-NOT_CACHED = {"qwen3-next", "deepseek-v3", "nemotron-h", "falcon-h1", "zamba", "zamba2", "lfm2", "lfm2-moe"}
+NOT_CACHED = {"qwen3-next", "nemotron-h", "falcon-h1", "zamba", "zamba2", "lfm2", "lfm2-moe"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_is_reused_exactly_or_not_at_all(family, tokenizer, caplog):
     """Each supported family: a hit keeps the positions a whole prefill keeps (SnapKV with a window
-    inside the question and one reaching into the cached instruction, the full cache). Recurrent,
-    hybrid and latent-attention models: prefilled whole, said in the log."""
+    inside the question and one reaching into the cached instruction, the full cache), latent
+    attention (DeepSeek-V3) included. Recurrent and hybrid models: prefilled whole, said in the log."""
     llm = SnapKVLLM(model=tiny_model(family, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=4)
     docs = filler_documents(6)
     with caplog.at_level(logging.INFO, logger="snapkv_rag"):
