@@ -164,15 +164,8 @@ class Stored:
     @property
     def nbytes(self) -> int:
         """Every tensor held (positions included): what the store's bound counts."""
-        return sum(p.nbytes for p in self.packed if p is not None) + sum(map(state_bytes, self.states))
+        return sum(p.nbytes for p in self.packed if p is not None) + sum(map(prefix_cache.state_bytes, self.states))
 
-
-def state_bytes(state) -> int:
-    """The bytes of a recurrent layer's state object (its conv and SSM tensors)."""
-    if state is None:
-        return 0
-    tensors = [*state.conv_states.values(), *state.recurrent_states.values()]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class DocStoreStats(prefix_cache.PrefixStats):

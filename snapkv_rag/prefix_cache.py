@@ -16,9 +16,12 @@ computes the same sums in another order, so float rounding may differ in the las
 ``benchmarks/prefix_cache.py``).
 
 Multi-head latent attention is cached as its latents (what the model's cache holds; the votes use
-the keys the model expands from them over the whole prompt). Not cached (a full prefill, said once
-in the log): recurrent and hybrid layers (their state after the prefix is not what a whole-prompt
-prefill leaves), and H2O, which votes with every prompt query.
+the keys the model expands from them over the whole prompt). Recurrent and hybrid layers: the
+conv / SSM states at the prefix's end are stored too; a whole-prompt prefill does not pass through
+that point, so a prompt whose prefix is stored runs in two passes (the prefix, kept; then the rest
+from it, as on a hit), where transformers continues a state through a multi-token pass
+(:data:`snapkv_rag.tails.ONE_PASS`; else they are not cached). Not cached (a full prefill, said
+once in the log): H2O, which votes with every prompt query.
 
 Entries are immutable: stored as clones, and a hit concatenates them with the new tokens' K/V
 into new tensors, so no request writes into them. The cache is bounded by bytes, least recently
@@ -35,7 +38,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .config import H2OConfig, SnapKVConfig
-from .layer_kinds import FULL, LATENT, NONE, SLIDING, LayerSpec
+from .layer_kinds import FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec
 from .lru import ByteLRU
 
 log = logging.getLogger("snapkv_rag")
@@ -63,6 +66,7 @@ class Prefix:
 
     ids: tuple[int, ...]
     layers: tuple[PrefixLayer | None, ...]
+    states: tuple = ()  # per layer its conv / SSM state at the prefix's end (None: none); () without any
 
     @property
     def length(self) -> int:
@@ -71,11 +75,19 @@ class Prefix:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers if layer is not None
-                   for t in (layer.keys, layer.values, layer.queries))
+                   for t in (layer.keys, layer.values, layer.queries)) + sum(map(state_bytes, self.states))
 
     @property
     def query_tail(self) -> int:
         return min((layer.queries.shape[-2] for layer in self.layers if layer is not None), default=0)
+
+
+def state_bytes(state) -> int:
+    """The bytes of a recurrent layer's state object (its conv and SSM tensors)."""
+    if state is None:
+        return 0
+    tensors = [*state.conv_states.values(), *state.recurrent_states.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass
@@ -106,10 +118,11 @@ def boundary(input_ids: Sequence[int], spans) -> int | None:
     return at if 0 < at < len(input_ids) else None
 
 
-def unsupported(specs: Sequence[LayerSpec]) -> str | None:
-    """Why a model's prompts cannot be reused from a prefix (``None``: they can)."""
+def unsupported(specs: Sequence[LayerSpec], states: bool = False) -> str | None:
+    """Why a model's prompts cannot be reused from a prefix (``None``: they can). ``states``: a
+    prompt's rest can run on from stored recurrent states in one pass (:data:`snapkv_rag.tails.ONE_PASS`)."""
     for i, spec in enumerate(specs):
-        if spec.state or spec.kind not in (FULL, SLIDING, LATENT, NONE):
+        if (spec.state and not states) or spec.kind not in (FULL, SLIDING, LATENT, NONE, RECURRENT):
             return (f"layer {i} is {spec.kind}{' with a recurrent state' if spec.state else ''}: a prefix cache "
                     "reuses plain attention K/V only")
     return None
@@ -216,6 +229,6 @@ class Capture:
             self.layers.append(None)
         self.layers[layer_idx] = PrefixLayer(*(t.clone() for t in parts))
 
-    def prefix(self, ids: Sequence[int], num_layers: int) -> Prefix:
+    def prefix(self, ids: Sequence[int], num_layers: int, states: tuple = ()) -> Prefix:
         layers = self.layers + [None] * (num_layers - len(self.layers))
-        return Prefix(tuple(ids[: self.length]), tuple(layers))
+        return Prefix(tuple(ids[: self.length]), tuple(layers), states)

@@ -130,10 +130,16 @@ class Runner:
         reread = self._with_reread(prompts, methods)
         start = time.perf_counter()
         prefix, capture = self._prefix_plan(prompts, methods, boundary)
+        computed = 0  # prefix positions this call ran itself (a recurrent model's prefix pass)
+        if capture is not None and any(spec.state for spec in self.specs):
+            prefix, capture = self._prefix_pass(prompts[0], capture), None
+            computed = 0 if prefix is None else prefix.length
         skip = 0 if prefix is None else prefix.length
         batch = Batch.of([p[skip:] for p in prompts], self.pad_id, self.device)
         cache = PromptCache(self.model.config, self.specs, prefix)
         cache.capture = capture
+        if prefix is not None:
+            tails.with_states(cache, prefix.states)
         positions = (batch.mask.cumsum(-1) - 1).clamp(min=0) + skip
         sliced = self._sliced()
         lengths = [length + skip for length in batch.lengths]
@@ -155,7 +161,21 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # prefill time is wall time of the work, not its launch
         return Prefilled(compressed=compressed, logits=logits, prefill_s=time.perf_counter() - start,
-                         cached_tokens=skip)
+                         cached_tokens=skip - computed)
+
+    def _prefix_pass(self, prompt: list[int], capture) -> prefix_cache.Prefix | None:
+        """A model with recurrent layers storing a prompt's prefix: their states at its end exist only
+        after a pass that ends there, so the prefix runs alone (its K/V, last queries and states kept,
+        stored) and the rest runs on from it as on a hit. ``None`` if it was too big to keep."""
+        cache = tails.capture_only(PromptCache(self.model.config, self.specs), capture)
+        with self.lock, torch.inference_mode(), self._sliced():
+            self._forward(torch.tensor([prompt[: capture.length]], device=self.device), None,
+                          torch.arange(capture.length, device=self.device)[None], cache)
+        if capture.too_big:
+            return None
+        prefix = capture.prefix(prompt, len(self.specs), tails.states_of(cache, self.specs))
+        self.prefix_cache.store(prefix)
+        return prefix
 
     def prefill_stored(self, stored, ids: list[int]) -> Prefilled:
         """Run only ``ids[stored.length:]`` (the tail of a prompt over a stored compressed document
@@ -195,7 +215,7 @@ class Runner:
         store = self.prefix_cache
         if boundary is None or store is None or not store.enabled or len(prompts) != 1:
             return None, None
-        why = prefix_cache.unsupported(self.specs)
+        why = prefix_cache.unsupported(self.specs, states=self.one_pass_tail)
         if why is None and any(isinstance(m, KVzipConfig) for m in methods.values()):
             why = "KVzip re-reads the whole prompt in its own pass"
         needed = prefix_cache.queries_needed(methods)

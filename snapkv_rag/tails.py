@@ -101,3 +101,31 @@ def states_after(cache: PromptCache, layers: list, states: Sequence) -> list:
         elif state is not None:
             layers[i] = cache.layers[i]
     return layers
+
+
+def capture_only(cache: PromptCache, capture) -> PromptCache:
+    """``cache`` set to hand each attention layer's K/V and queries to ``capture`` (a
+    :class:`~snapkv_rag.prefix_cache.Capture`) and keep nothing else: a pass over a prefix alone,
+    which leaves the recurrent states at its end (:func:`states_of`)."""
+
+    def hook(layer_idx: int, query, vote_keys, scoring) -> None:
+        layer = cache.layers[layer_idx]
+        capture(layer_idx, query, *layer.pending)
+        layer.pending, layer.done = None, True
+
+    cache.compress = hook
+    return cache
+
+
+def states_of(cache: PromptCache, specs) -> tuple:
+    """Per layer the state object ``cache`` ends with (a hybrid layer's moved out of its attention
+    part), ``None`` for a layer without one."""
+    out = []
+    for spec, layer in zip(specs, cache.layers):
+        if spec.state and isinstance(layer, PromptLayer):
+            state = LinearAttentionLayer(number_of_states=layer.number_of_states)
+            move_state(layer, state)
+            out.append(state)
+        else:
+            out.append(layer if spec.state else None)
+    return tuple(out)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from snapkv_rag import DocSnapKVConfig, H2OConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
+from snapkv_rag import DocSnapKVConfig, H2OConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig, tails
 from snapkv_rag.layer_kinds import FULL, RECURRENT, LayerSpec
 from snapkv_rag.prefix_cache import Prefix, PrefixCache, PrefixLayer, boundary, unsupported
 
@@ -204,14 +204,15 @@ def test_a_prefix_larger_than_the_cache_is_not_kept(tiny_model, tokenizer, uncac
     assert (stats.entries, stats.stored, stats.misses) == (0, 0, 2)
 
 
-NOT_CACHED = {"qwen3-next", "nemotron-h", "falcon-h1", "zamba", "zamba2", "lfm2", "lfm2-moe"}
+NOT_CACHED = set() if tails.ONE_PASS else {"qwen3-next", "nemotron-h", "falcon-h1", "zamba", "zamba2", "lfm2", "lfm2-moe"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_is_reused_exactly_or_not_at_all(family, tokenizer, caplog):
     """Each supported family: a hit keeps the positions a whole prefill keeps (SnapKV with a window
     inside the question and one reaching into the cached instruction, the full cache), latent
-    attention (DeepSeek-V3) included. Recurrent and hybrid models: prefilled whole, said in the log."""
+    attention (DeepSeek-V3) included, and recurrent and hybrid models (their states at the prefix's
+    end stored too) where transformers continues them in one pass; else prefilled whole, said in the log."""
     llm = SnapKVLLM(model=tiny_model(family, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=4)
     docs = filler_documents(6)
     with caplog.at_level(logging.INFO, logger="snapkv_rag"):
@@ -225,6 +226,28 @@ def test_every_family_is_reused_exactly_or_not_at_all(family, tokenizer, caplog)
         for layer, positions in per_row[0].kept_positions().items():
             assert torch.equal(positions, split.compressed[name][0].kept_positions()[layer]), (name, layer)
     assert torch.allclose(whole.logits, split.logits, atol=1e-4)
+
+
+@pytest.mark.skipif(not tails.ONE_PASS, reason="this transformers is not known to continue a state in one pass")
+@pytest.mark.parametrize("family", ["lfm2", "zamba2"])
+def test_models_with_recurrent_layers_hit_with_their_stored_states(family, tokenizer):
+    """A hybrid model's prefix is stored with the states at its end (the first request runs it in
+    two passes, counted as no cached tokens); later questions start from copies of those states and
+    answer as without the cache, and the stored states never change."""
+    model = tiny_model(family, len(tokenizer))
+    cached = SnapKVLLM(model=model, tokenizer=tokenizer, max_new_tokens=8)
+    plain = SnapKVLLM(model=model, tokenizer=tokenizer, max_new_tokens=8, prefix_cache_bytes=0)
+    docs = filler_documents(6)
+    got = [cached.generate(q, docs, snapkv=WINDOW_8, ignore_eos=True) for q in QUESTIONS]
+    want = [plain.generate(q, docs, snapkv=WINDOW_8, ignore_eos=True) for q in QUESTIONS]
+    assert [r.raw_text for r in got] == [r.raw_text for r in want]
+    assert [r.compression.kept_tokens for r in got] == [r.compression.kept_tokens for r in want]
+    assert got[0].usage.cached_tokens == 0 and all(r.usage.cached_tokens > 300 for r in got[1:])
+    (entry,) = cached.prefix_cache._entries.values()
+    states = [t for state in entry.states if state is not None for t in state.conv_states.values() if t is not None]
+    before = [t.clone() for t in states]
+    cached.generate(QUESTIONS[0], docs, snapkv=WINDOW_8, max_new_tokens=2)
+    assert states and all(torch.equal(a, b) for a, b in zip(before, states))
 
 
 def test_compare_shares_the_cache(cached, uncached):
