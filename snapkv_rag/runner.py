@@ -199,7 +199,7 @@ class Runner:
                 tail = torch.tensor([ids[stored.length:]], device=self.device)
                 positions = torch.arange(stored.length, len(ids), device=self.device)[None]
                 logits, layers = self._forward(tail, None, positions, cache), cache.compress.layers
-            layers = tails.states_after(cache, layers, stored.states)
+            layers = tails.states_after(cache, layers)
         compressed = Compressed(stored.config, self.specs, layers, len(ids))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

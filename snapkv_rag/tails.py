@@ -91,15 +91,14 @@ def stepwise_tail(forward: Callable, cache: PromptCache, prefix, ids: list[int],
     return layers, logits
 
 
-def states_after(cache: PromptCache, layers: list, states: Sequence) -> list:
-    """``layers`` (a tail's K/V per attention layer) with the recurrent states ``cache`` ends with:
-    a recurrent layer's state object in its place, a hybrid layer's beside its K/V."""
-    for i, state in enumerate(states):
-        if state is not None and isinstance(cache.layers[i], PromptLayer):
-            layers[i].state = LinearAttentionLayer(number_of_states=cache.layers[i].number_of_states)
-            move_state(cache.layers[i], layers[i].state)
+def states_after(cache: PromptCache, layers: list) -> list:
+    """``layers`` (a tail's K/V per attention layer) with the recurrent states ``cache`` ends with
+    (:func:`states_of`): a recurrent layer's state object in its place, a hybrid layer's beside its K/V."""
+    for i, state in enumerate(states_of(cache, cache.specs)):
+        if isinstance(layers[i], LayerKV):
+            layers[i].state = state
         elif state is not None:
-            layers[i] = cache.layers[i]
+            layers[i] = state
     return layers
 
 

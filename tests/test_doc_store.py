@@ -210,16 +210,7 @@ def test_models_with_recurrent_layers_answer_over_a_stored_set(family, tokenizer
     after = [t for state in whole.entry().states if state is not None
              for t in [*state.conv_states.values(), *state.recurrent_states.values()] if t is not None]
     assert stored and all(torch.equal(a, b) for a, b in zip(stored, after, strict=True))  # never stepped in place
-    for method in (HALF, KVzipConfig(ratio=0.5, window_size=8)):
-        handle = llm.index_documents(DOCS, method=method)
-        single = [handle.generate(q, ignore_eos=True) for q in QUESTIONS]
-        assert all(r.usage.completion_tokens == 8 and r.usage.cached_tokens == handle.prompt_tokens for r in single)
-        batch = llm.generate_batch(QUESTIONS, [handle] * 3, ignore_eos=True)
-        assert [r.raw_text for r in batch] == [r.raw_text for r in single]
-        handle.save(tmp_path / "recurrent.safetensors", overwrite=True)
-        fresh = SnapKVLLM(model=llm.model, tokenizer=tokenizer, max_new_tokens=8)
-        loaded = fresh.load_documents(tmp_path / "recurrent.safetensors")
-        assert [loaded.generate(q, ignore_eos=True).raw_text for q in QUESTIONS] == [r.raw_text for r in single]
+    _compressed_sets_answer_alike(llm, tokenizer, tmp_path)
 
 
 def test_latent_attention_models_answer_over_a_stored_set(tokenizer, tmp_path):
@@ -234,13 +225,7 @@ def test_latent_attention_models_answer_over_a_stored_set(tokenizer, tmp_path):
     for method in (HALF, KVzipConfig(ratio=0.5, window_size=8)):
         handle = llm.index_documents(DOCS, method=method)
         assert 0.45 < handle.kept_bytes / handle.full_bytes < 0.55
-        single = [handle.generate(q, ignore_eos=True) for q in QUESTIONS]
-        assert all(r.usage.completion_tokens == 8 and r.usage.cached_tokens == handle.prompt_tokens for r in single)
-        batch = llm.generate_batch(QUESTIONS, [handle] * 3, ignore_eos=True)
-        assert [r.raw_text for r in batch] == [r.raw_text for r in single]
-        handle.save(tmp_path / "latent.safetensors", overwrite=True)
-        loaded = llm.load_documents(tmp_path / "latent.safetensors")
-        assert [loaded.generate(q, ignore_eos=True).raw_text for q in QUESTIONS] == [r.raw_text for r in single]
+    _compressed_sets_answer_alike(llm, tokenizer, tmp_path)
 
 
 @pytest.mark.parametrize("family", ["mistral-window", "gemma3", "cohere2"])
@@ -255,12 +240,24 @@ def test_sliding_window_models_answer_over_a_stored_set(family, tokenizer):
     for question in QUESTIONS:
         over, alone = whole.generate(question, ignore_eos=True), llm.generate(question, DOCS, snapkv=False, ignore_eos=True)
         assert over.raw_text == alone.raw_text and over.usage.cached_tokens == whole.prompt_tokens
+    _compressed_sets_answer_alike(llm, tokenizer)
+
+
+def _compressed_sets_answer_alike(llm, tokenizer, tmp_path=None) -> None:
+    """Over a set compressed by key-norm and by KVzip at 50%: each question gets its 8 tokens over the
+    stored prefix, a batch equals single calls, and (with ``tmp_path``) a saved and loaded set
+    answers the same in a fresh engine."""
     for method in (HALF, KVzipConfig(ratio=0.5, window_size=8)):
         handle = llm.index_documents(DOCS, method=method)
         single = [handle.generate(q, ignore_eos=True) for q in QUESTIONS]
         assert all(r.usage.completion_tokens == 8 and r.usage.cached_tokens == handle.prompt_tokens for r in single)
         batch = llm.generate_batch(QUESTIONS, [handle] * 3, ignore_eos=True)
         assert [r.raw_text for r in batch] == [r.raw_text for r in single]
+        if tmp_path is not None:
+            handle.save(tmp_path / "set.safetensors", overwrite=True)
+            fresh = SnapKVLLM(model=llm.model, tokenizer=tokenizer, max_new_tokens=8)
+            loaded = fresh.load_documents(tmp_path / "set.safetensors")
+            assert [loaded.generate(q, ignore_eos=True).raw_text for q in QUESTIONS] == [r.raw_text for r in single]
 
 
 def test_server_reuses_stored_caches_by_content(llm):
