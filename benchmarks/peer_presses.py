@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -54,16 +55,50 @@ def examples(count: int) -> list:
 
 
 def our_configs(budget: int) -> dict:
-    from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, SnapKVConfig
+    from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, LookaheadSnapKVConfig, SnapKVConfig
 
     return {"snapkv": SnapKVConfig(max_capacity_prompt=budget),
             "snapkv_avg": SnapKVConfig(max_capacity_prompt=budget, pooling="avg"),
             "docsnapkv": DocSnapKVConfig(max_capacity_prompt=budget),
-            "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=budget)}
+            "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=budget),
+            "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # 8 drafted tokens
+            "lookahead4": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4),
+            "lookahead1": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=1)}
 
 
 def first_line(text: str) -> str:
     return text.split("\n")[0].strip()
+
+
+def our_side(llm, example, budgets: dict, args, only=None) -> tuple:
+    """Our full cache and methods (those named in ``only``, all by default) from one shared prefill:
+    (answers, kept tokens, selection ms, prefill s), keyed ``ours:name@share``."""
+    methods = {"full": None}
+    for share, budget in budgets.items():
+        methods.update({f"{name}@{share:.0%}": c for name, c in our_configs(budget).items()
+                        if only is None or f"ours:{name}@{share:.0%}" in only})
+    both = llm.compare(example.question, list(example.documents), methods=methods, hit_rate=False,
+                       max_new_tokens=args.max_new_tokens, stop=["\n"])
+    answers = {f"ours:{name}": first_line(r.text) for name, r in both.results.items()}
+    kept = {f"ours:{name}": max(r.compression.kept_tokens) for name, r in both.results.items()}
+    selection_ms = {f"ours:{name}": r.compression.selection_ms for name, r in both.results.items()}
+    return answers, kept, selection_ms, both.prefill_s
+
+
+def backfill(llm, row: dict, example, args) -> dict:
+    """``row`` with our methods it lacks (added since it was run) run now; our full cache's answer
+    is run again and must be the one stored (the same code path, deterministic)."""
+    budgets = {float(share[:-1]) / 100: budget for share, budget in row["budgets"].items()}
+    wanted = {f"ours:{name}@{share:.0%}" for share in budgets for name in our_configs(64)}
+    missing = wanted - set(row["texts"])
+    if not missing:
+        return row
+    answers, kept, selection_ms, _ = our_side(llm, example, budgets, args, only=missing)
+    if answers["ours:full"] != row["texts"]["ours:full"]:
+        raise RuntimeError(f"{example.id}: our full cache now answers {answers['ours:full']!r}, stored "
+                           f"{row['texts']['ours:full']!r}: the rows are not comparable, run afresh")
+    return {**row, "texts": {**row["texts"], **answers}, "kept": {**row["kept"], **kept},
+            "selection_ms": {**row["selection_ms"], **selection_ms}}
 
 
 def run_prompt(llm, worker, example, shares, args, eos, newline_ids) -> dict:
@@ -71,14 +106,7 @@ def run_prompt(llm, worker, example, shares, args, eos, newline_ids) -> dict:
     request = llm.request(example.question, list(example.documents), "text")
     ids, length = request.input_ids, len(request.input_ids)
     budgets = {share: round(share * length) for share in shares}
-    methods = {"full": None}
-    for share, budget in budgets.items():
-        methods.update({f"{name}@{share:.0%}": c for name, c in our_configs(budget).items()})
-    both = llm.compare(example.question, list(example.documents), methods=methods, hit_rate=False,
-                       max_new_tokens=args.max_new_tokens, stop=["\n"])
-    answers = {f"ours:{name}": first_line(r.text) for name, r in both.results.items()}
-    kept = {f"ours:{name}": max(r.compression.kept_tokens) for name, r in both.results.items()}
-    selection_ms = {f"ours:{name}": r.compression.selection_ms for name, r in both.results.items()}
+    answers, kept, selection_ms, prefill_s = our_side(llm, example, budgets, args)
     base = {"input_ids": ids, "window_size": 32, "kernel_size": 7, "max_new_tokens": args.max_new_tokens,
             "eos_ids": eos, "stop_ids": newline_ids, "question_start": length + request.spans.question,
             "delimiter_id": next(i for i in range(len(llm.tokenizer) - 1, 0, -1) if i not in set(ids))}
@@ -89,7 +117,7 @@ def run_prompt(llm, worker, example, shares, args, eos, newline_ids) -> dict:
         kept[f"kvpress:{name}"] = out["kept"]
     return {"example_id": example.id, "dataset": example.dataset, "num_docs": example.num_docs,
             "question": example.question, "answers": list(example.answers), "prompt_tokens": length,
-            "budgets": {f"{s:.0%}": b for s, b in budgets.items()}, "prefill_s": both.prefill_s,
+            "budgets": {f"{s:.0%}": b for s, b in budgets.items()}, "prefill_s": prefill_s,
             "texts": answers, "kept": kept, "selection_ms": selection_ms}
 
 
@@ -212,6 +240,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, both halves")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "peer_presses")
     parser.add_argument("--report-only", action="store_true", help="write the summary from the rows so far")
+    parser.add_argument("--backfill", action="store_true", help="run only our methods that the rows so far lack "
+                        "(added since), rewriting each row as it finishes; then the report")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
@@ -229,6 +259,17 @@ def main() -> None:
         if rows_path.exists() else set()
     model_dir = args.model or str(default_model_dir())
     llm = SnapKVLLM(model_dir)
+    if args.backfill:
+        rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+        by_id = {e.id: e for e in examples(args.prompts)}
+        for i, row in enumerate(rows):
+            rows[i] = backfill(llm, row, by_id[row["example_id"]], args)
+            partial = rows_path.with_suffix(".partial")  # each row kept as it finishes, the file replaced whole
+            partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.replace(partial, rows_path)
+            print(f"{i + 1}/{len(rows)}: {row['example_id']} backfilled", flush=True)
+        print(markdown(write_report(args.out)))
+        return
     eos_config = llm.model.generation_config.eos_token_id
     eos = sorted({llm.tokenizer.eos_token_id, *([eos_config] if isinstance(eos_config, int) else eos_config or [])}
                  - {None})

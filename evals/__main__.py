@@ -78,7 +78,7 @@ def parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                    "(each slot); nq and kv only, musique/hotpotqa shuffle their gold documents with the seed "
                    "(default: first,middle,last)")
     p.add_argument("--methods", default=None, help="comma-separated: full, or KIND or KIND@BUDGET with KIND in "
-                   "snapkv, pyramidkv, streaming, h2o, random, docsnapkv (document-aware), adasnapkv (head-adaptive), keynorm and kvzip (query-agnostic); a bare KIND gets every --budgets value; full is always "
+                   "snapkv, pyramidkv, streaming, h2o, random, docsnapkv (document-aware), adasnapkv (head-adaptive), lookahead (its drafted answer votes too), keynorm and kvzip (query-agnostic); a bare KIND gets every --budgets value; full is always "
                    "run (fidelity reference) (default: full,snapkv,streaming)")
     p.add_argument("--budgets", default=None, help="comma-separated budgets for bare KINDs: tokens kept per layer "
                    "(512) or a share of the cell's mean prompt (25%%), window included (default: 25%%,50%%)")

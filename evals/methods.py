@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
+from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
 
 KINDS = {"snapkv": SnapKVConfig, "pyramidkv": PyramidKVConfig, "streaming": StreamingLLMConfig,
          "h2o": H2OConfig, "random": RandomConfig, "docsnapkv": DocSnapKVConfig,
-         "adasnapkv": AdaSnapKVConfig, "keynorm": KeyNormConfig, "kvzip": KVzipConfig}
+         "adasnapkv": AdaSnapKVConfig, "lookahead": LookaheadSnapKVConfig, "keynorm": KeyNormConfig, "kvzip": KVzipConfig}
 WINDOW = 32  # SnapKV's observation window and the recent window of H2O / random (the engine defaults)
 
 

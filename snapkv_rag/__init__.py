@@ -15,6 +15,7 @@ _WHERE = {
     "SnapKVLLM": "engine", "ContextLengthError": "engine", "GenerationOutOfMemoryError": "engine",
     "SnapKVConfig": "config", "PyramidKVConfig": "config", "StreamingLLMConfig": "config",
     "H2OConfig": "config", "RandomConfig": "config", "DocSnapKVConfig": "config", "AdaSnapKVConfig": "config",
+    "LookaheadSnapKVConfig": "config",
     "KeyNormConfig": "config", "KVzipConfig": "config",
     "PromptSpans": "config",
     "Document": "prompts", "parse_citations": "prompts",
@@ -37,7 +38,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from .config import (AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PromptSpans, PyramidKVConfig, RandomConfig, SnapKVConfig,
+    from .config import (AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PromptSpans, PyramidKVConfig, RandomConfig, SnapKVConfig,
                          StreamingLLMConfig)
     from .engine import ContextLengthError, GenerationOutOfMemoryError, SnapKVLLM
     from .loading import ModelLoadError

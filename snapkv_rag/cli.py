@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from .config import AdaSnapKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig, SnapKVConfig
+from .config import AdaSnapKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig
 from .files import DOC_SUFFIXES, DocumentFileError, collect_documents
 from .server import options as serve_options
 
@@ -113,7 +113,7 @@ def budget_value(text: str) -> int | float:
 def _snapkv(budget: int | float, settings: dict) -> SnapKVConfig:
     size = {"ratio": budget} if isinstance(budget, float) else {"max_capacity_prompt": budget}
     method = {"docsnapkv": DocSnapKVConfig, "adasnapkv": AdaSnapKVConfig, "keynorm": KeyNormConfig,
-              "kvzip": KVzipConfig}.get(settings["method"], SnapKVConfig)
+              "kvzip": KVzipConfig, "lookahead": LookaheadSnapKVConfig}.get(settings["method"], SnapKVConfig)
     shape = {"window_size": settings["window"], "kernel_size": settings["kernel"], "pooling": settings["pooling"]}
     if method is KVzipConfig and "kernel" not in settings.get("given", ()):
         del shape["kernel_size"]  # its own default (no pooling), unless --kernel says otherwise
@@ -239,10 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32 on CPU)")
     common.add_argument("--budget", type=budget_value, default=None, help="prompt tokens kept per layer and KV "
                         "head (512), or a share of each prompt (50%%, never below 128 tokens); default 1024 tokens")
-    common.add_argument("--method", default=None, choices=("snapkv", "docsnapkv", "adasnapkv", "keynorm", "kvzip"),
+    common.add_argument("--method", default=None, choices=("snapkv", "docsnapkv", "adasnapkv", "lookahead", "keynorm", "kvzip"),
                         help="snapkv; docsnapkv: document-aware SnapKV (keeps the instruction and question, shares "
                         "the budget between the documents by the votes they get); adasnapkv: head-adaptive SnapKV (the layer's budget "
-                        "shared between its heads by vote); keynorm: the shortest keys, "
+                        "shared between its heads by vote); lookahead: head-adaptive SnapKV whose votes also come from the first "
+                        "8 tokens of the answer, drafted over the full cache first (the best kept answers at small budgets, "
+                        "8 more passes' cost); keynorm: the shortest keys, "
                         "whatever the question; kvzip: what the model attends to when it re-reads the prompt, "
                         "whatever the question (a second prefill's cost) (default snapkv)")
     common.add_argument("--window", type=int, default=None, help="observation window (default 32)")

@@ -191,6 +191,26 @@ class AdaSnapKVConfig(SnapKVConfig):
 
 
 @dataclass(frozen=True)
+class LookaheadSnapKVConfig(AdaSnapKVConfig):
+    """Lookahead SnapKV: the observation window reaches past the prompt into the answer. Before
+    compressing, the model drafts the first ``lookahead`` tokens of its greedy answer over the full
+    cache; the queries of those drafted tokens vote beside the prompt's last ``window_size`` queries
+    (head-adaptive budgets as :class:`AdaSnapKVConfig`, ``floor=1`` for an even split), then the
+    draft is dropped and the answer is decoded from the compressed cache as for any method. The
+    draft costs ``lookahead`` short passes over the full prompt (counted in the selection time);
+    sliding-window layers vote with the prompt's window alone. Not served from the prefix cache."""
+
+    lookahead: int = 8
+
+    method = "lookahead"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(isinstance(self.lookahead, int) and not isinstance(self.lookahead, bool) and 1 <= self.lookahead <= 256,
+                 "lookahead", f"must be a number of drafted tokens from 1 to 256, got {self.lookahead!r}")
+
+
+@dataclass(frozen=True)
 class KeyNormConfig(SnapKVConfig):
     """Key-norm selection (Devoto et al. 2024): query-agnostic, the prompt's own keys decide. Keys
     of small L2 norm draw the most attention in practice, so each head keeps the prefix positions
@@ -311,6 +331,7 @@ __all__ = [
     "PyramidKVConfig",
     "DocSnapKVConfig",
     "AdaSnapKVConfig",
+    "LookaheadSnapKVConfig",
     "KeyNormConfig",
     "KVzipConfig",
     "PromptSpans",

@@ -211,6 +211,7 @@ class Capture:
 
     length: int
     max_bytes: int
+    queries: int = QUERY_TAIL  # the last positions whose queries are kept
     layers: list[PrefixLayer | None] = field(default_factory=list)
     nbytes: int = 0
     too_big: bool = False
@@ -219,7 +220,7 @@ class Capture:
         if self.too_big:
             return
         p = self.length
-        tail = min(QUERY_TAIL, p)
+        tail = min(self.queries, p)
         parts = (keys[:, :, :p], values[:, :, :p], query[:, :, p - tail:p])
         self.nbytes += sum(t.numel() * t.element_size() for t in parts)
         if self.nbytes > self.max_bytes:

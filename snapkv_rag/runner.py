@@ -34,9 +34,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import attention, prefix_cache, tails
+from . import attention, lookahead, prefix_cache, tails
 from .cache import Compressed, PromptCache, compressing, layer_specs
-from .config import KVzipConfig
+from .config import KVzipConfig, LookaheadSnapKVConfig
 from .prefix_cache import PrefixCache
 from .slots import SlotCache
 
@@ -117,7 +117,8 @@ class Runner:
         self._steps.clear()
 
     # ------------------------------------------------------------ prompt
-    def prefill(self, prompts: list[list[int]], methods: Mapping[str, Any], boundary: int | None = None) -> Prefilled:
+    def prefill(self, prompts: list[list[int]], methods: Mapping[str, Any], boundary: int | None = None,
+                whole: prefix_cache.Capture | None = None) -> Prefilled:
         """Run ``prompts`` once (left padded) and compress them under every method of ``methods``
         (name -> config, ``None`` for the full cache). Only the kept caches differ: the prefill
         itself sees the whole prompt. ``boundary`` (one prompt): its first ``boundary`` tokens are
@@ -125,13 +126,17 @@ class Runner:
         else kept in it after this prefill; the selection is the same either way. A KVzip method
         (:class:`KVzipConfig`) runs its re-read in the same pass: the prompt, then the repeat
         instruction and the prompt again (see :meth:`_with_reread`; no prefix is reused then); a model
-        with recurrent layers runs the prompt alone once more first, for their states after it."""
+        with recurrent layers runs the prompt alone once more first, for their states after it. A lookahead
+        method (:class:`LookaheadSnapKVConfig`) first drafts over the whole prompt
+        (:mod:`snapkv_rag.lookahead`), kept in ``whole``: a capture of every position, not stored."""
+        if any(isinstance(m, LookaheadSnapKVConfig) for m in methods.values()):
+            return lookahead.prefill(self, prompts, methods)
         self.attach()
         reread = self._with_reread(prompts, methods)
         start = time.perf_counter()
-        prefix, capture = self._prefix_plan(prompts, methods, boundary)
+        prefix, capture = (None, whole) if whole is not None else self._prefix_plan(prompts, methods, boundary)
         computed = 0  # prefix positions this call ran itself (a recurrent model's prefix pass)
-        if capture is not None and any(spec.state for spec in self.specs):
+        if whole is None and capture is not None and any(spec.state for spec in self.specs):
             prefix, capture = self._prefix_pass(prompts[0], capture), None
             computed = 0 if prefix is None else prefix.length
         skip = 0 if prefix is None else prefix.length
@@ -156,7 +161,7 @@ class Runner:
                 compressing(cache, methods, lengths, reread=len(reread), states=states) as compressed:
             logits = self._forward(batch.ids, batch.mask if batch.padded else None, positions, cache,
                                    at=lengths[0] - 1 if reread else None)
-        if capture is not None and not capture.too_big:
+        if whole is None and capture is not None and not capture.too_big:
             self.prefix_cache.store(capture.prefix(prompts[0], len(self.specs)))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # prefill time is wall time of the work, not its launch

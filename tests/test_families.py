@@ -22,7 +22,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from families import COMMON, FAMILIES, tiny_model
-from snapkv_rag import (AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM,
+from snapkv_rag import (AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM,
                         StreamingLLMConfig)
 from snapkv_testing import capture_caches, filler_documents, tiny_llama
 
@@ -82,9 +82,10 @@ def test_budget_above_the_prompt_is_the_full_cache(family):
     _, llm = family
     docs = filler_documents(4)
     full = llm.generate(QUESTION, docs, snapkv=False)
-    big = llm.generate(QUESTION, docs, snapkv=SnapKVConfig(max_capacity_prompt=4096))
-    assert big.text == full.text and big.compression.kept_tokens == full.compression.kept_tokens
-    assert big.compression.ratio == 1.0
+    for config in (SnapKVConfig(max_capacity_prompt=4096), LookaheadSnapKVConfig(max_capacity_prompt=4096)):
+        big = llm.generate(QUESTION, docs, snapkv=config)  # lookahead: the draft's positions and states dropped
+        assert big.text == full.text and big.compression.kept_tokens == full.compression.kept_tokens
+        assert big.compression.ratio == 1.0
 
 
 # ---------------------------------------------------------------- an independent SnapKV
@@ -206,8 +207,8 @@ def test_reported_kept_tokens_are_what_the_cache_holds(name, tokenizer):
 # the document-aware method at 64 works inside sliding windows (96: its tokens outside the documents
 # fit there) and falls back to SnapKV on full layers (89 of them); at 128 it works on full layers
 @pytest.mark.parametrize("method", [SnapKVConfig, partial(SnapKVConfig, pooling="avg"), DocSnapKVConfig,
-                                    partial(AdaSnapKVConfig, floor=0.0)],
-                         ids=["snapkv-max", "snapkv-avg", "docsnapkv", "adasnapkv"])
+                                    partial(AdaSnapKVConfig, floor=0.0), partial(LookaheadSnapKVConfig, lookahead=4)],
+                         ids=["snapkv-max", "snapkv-avg", "docsnapkv", "adasnapkv", "lookahead"])
 def test_concurrent_batch_equals_single_calls(family, method):
     _, llm = family
     config = method(max_capacity_prompt=64, window_size=8)
@@ -230,7 +231,8 @@ def test_compare_equals_generate_for_every_method(family):
                "random": RandomConfig(max_capacity_prompt=64, recent_size=8),
                "docsnapkv": DocSnapKVConfig(max_capacity_prompt=128, window_size=8),
                "keynorm": KeyNormConfig(max_capacity_prompt=64, window_size=8),
-               "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0)}
+               "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0),
+               "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=64, window_size=8, lookahead=4)}
     methods["kvzip"] = KVzipConfig(max_capacity_prompt=64, window_size=8)
     methods["kvzip-model"] = KVzipConfig(max_capacity_prompt=64, window_size=8, share="model", sink_tokens=2)
     docs = filler_documents(4)

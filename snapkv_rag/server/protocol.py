@@ -9,17 +9,17 @@ from dataclasses import asdict, dataclass, field, replace
 from dataclasses import fields as fields_of
 from typing import Any
 
-from ..config import AdaSnapKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig, SnapKVConfig
+from ..config import AdaSnapKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig
 from ..tools import ToolPlan
 from . import logprobs, tool_calls
 from .errors import APIError, bad, typed
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SNAPKV_FIELDS = ("method", "max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling",
-                 "floor", "share")
-OWN_FIELDS = ("floor", "share")  # settings of some methods only (adasnapkv: floor; kvzip: share)
+                 "floor", "share", "lookahead")
+OWN_FIELDS = ("floor", "share", "lookahead")  # settings of some methods only (adasnapkv: floor; kvzip: share; lookahead)
 METHODS = {"snapkv": SnapKVConfig, "docsnapkv": DocSnapKVConfig, "adasnapkv": AdaSnapKVConfig,
-           "keynorm": KeyNormConfig, "kvzip": KVzipConfig}
+           "keynorm": KeyNormConfig, "kvzip": KVzipConfig, "lookahead": LookaheadSnapKVConfig}
 # OpenAI parameters this server cannot honour: refused by name rather than ignored in silence
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
 
@@ -133,8 +133,8 @@ def _messages(body: dict, limit: int, documents: list[dict]) -> list[dict]:
 def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | None:
     """``"snapkv": false`` (full cache), ``true`` (the server's compression), or an object of
     ``SnapKVConfig`` fields; ``budget`` takes tokens (512) or a share (``"50%"``); ``method``
-    ``"docsnapkv"`` selects document-aware SnapKV, ``"adasnapkv"`` head-adaptive SnapKV, ``"keynorm"`` key-norm selection and ``"kvzip"`` KVzip (both query-agnostic),
-    ``"snapkv"`` plain SnapKV; ``floor`` and ``share`` set those of the methods that have them."""
+    ``"docsnapkv"`` selects document-aware SnapKV, ``"adasnapkv"`` head-adaptive SnapKV, ``"lookahead"`` lookahead SnapKV (its drafted answer votes too), ``"keynorm"`` key-norm selection and ``"kvzip"`` KVzip (both query-agnostic),
+    ``"snapkv"`` plain SnapKV; ``floor``, ``share`` and ``lookahead`` set those of the methods that have them."""
     if value is None:
         return None
     if isinstance(value, bool):

@@ -1,0 +1,92 @@
+"""Lookahead SnapKV on a tiny random-weight Llama: the queries of the model's own drafted answer
+vote beside the prompt's window, the draft is dropped, and the answer is decoded from the
+compressed cache. (Every family, batches and ``compare``: ``tests/test_families.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snapkv_rag import AdaSnapKVConfig, LookaheadSnapKVConfig, lookahead
+
+from snapkv_testing import filler_documents
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+QUESTION = "Which harbour lies north?"
+DOCS = filler_documents(6)
+AHEAD = LookaheadSnapKVConfig(max_capacity_prompt=64, window_size=8, lookahead=4, floor=0.0)
+
+
+def kept(engine, ids, config) -> dict:
+    """Per attention layer the prompt positions ``config`` keeps of ``ids`` (one prefill)."""
+    return engine.runner.prefill([ids], {"m": config}).compressed["m"][0].kept_positions()
+
+
+def test_the_draft_is_the_full_caches_greedy_answer_and_votes_as_the_end_of_a_longer_prompt(tiny_engine, monkeypatch):
+    """Reference: head-adaptive SnapKV over the prompt with the full cache's first answer tokens
+    appended, window and budget widened by them, those positions then dropped."""
+    ids = tiny_engine.request(QUESTION, DOCS, "text").input_ids
+    full = tiny_engine.model.generate(torch.tensor([ids]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                      pad_token_id=2)[0, len(ids):].tolist()  # transformers' own greedy answer
+    seen = []
+    real = lookahead.draft
+    monkeypatch.setattr(lookahead, "draft", lambda *args: seen.append(real(*args)) or seen[-1])
+    ours = kept(tiny_engine, ids, AHEAD)
+    assert seen == [full] and len(full) == 4
+    wider = AdaSnapKVConfig(max_capacity_prompt=64 + 4, window_size=8 + 4, floor=0.0)
+    reference = kept(tiny_engine, ids + seen[0], wider)
+    plain = kept(tiny_engine, ids, AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0))
+    assert ours.keys() == reference.keys()
+    for layer, positions in ours.items():
+        expected = reference[layer][..., :-4]  # each head's last slots: the drafted positions
+        assert (reference[layer][..., -4:] >= len(ids)).all()
+        assert torch.equal(positions, expected), layer
+        assert (positions >= 0).sum() == positions.shape[1] * 64  # the layer's budget, shared by its heads
+    assert any(not torch.equal(ours[i], plain[i]) for i in ours)  # the draft did change what is kept
+
+
+def test_kept_whole_it_is_the_full_cache(tiny_engine):
+    full = tiny_engine.generate(QUESTION, DOCS, snapkv=False, max_new_tokens=10, ignore_eos=True)
+    whole = tiny_engine.generate(QUESTION, DOCS, snapkv=LookaheadSnapKVConfig(max_capacity_prompt=4096), max_new_tokens=10,
+                                 ignore_eos=True)
+    assert whole.raw_text == full.raw_text and whole.compression.ratio == 1.0
+
+
+def test_compare_shares_one_prompt_pass_and_times_the_draft_as_selection(tiny_engine):
+    methods = {"full": None, "ada": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0), "ahead": AHEAD}
+    both = tiny_engine.compare(QUESTION, DOCS, methods=methods, max_new_tokens=6)
+    for name, config in methods.items():
+        alone = tiny_engine.generate(QUESTION, DOCS, snapkv=config, max_new_tokens=6)
+        assert both.results[name].text == alone.text, name
+    assert both.results["ahead"].compression.method == "lookahead"
+    assert both.results["ahead"].compression.selection_ms > both.results["ada"].compression.selection_ms
+
+
+def test_bad_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match="lookahead: must be a number of drafted tokens"):
+        LookaheadSnapKVConfig(lookahead=0)
+    with pytest.raises(ValueError, match="floor"):
+        LookaheadSnapKVConfig(floor=2)
+
+
+def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
+    import httpx
+
+    from evals.methods import parse_spec
+    from server_testing import running_server
+    from snapkv_rag.cli import _config, build_parser
+    from snapkv_rag.server.protocol import ServerSettings, _compression as snapkv_config
+
+    args = build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--method", "lookahead", "--budget", "25%"])
+    assert _config(args) == LookaheadSnapKVConfig(ratio=0.25)
+    assert parse_spec("lookahead@25%").config(400) == LookaheadSnapKVConfig(max_capacity_prompt=400)
+    settings = ServerSettings(model_name="tiny")
+    assert snapkv_config({"method": "lookahead", "lookahead": 4}, settings) == LookaheadSnapKVConfig(lookahead=4)
+    with pytest.raises(Exception, match="not a setting of method adasnapkv"):
+        snapkv_config({"method": "adasnapkv", "lookahead": 4}, settings)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "documents": DOCS, "max_tokens": 3,
+            "snapkv": {"method": "lookahead", "budget": 64, "window_size": 8, "lookahead": 2}}
+    with running_server(tiny_engine) as (url, _):
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60, json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["snapkv"]["compression"]["method"] == "lookahead"
