@@ -49,3 +49,11 @@ class LoopWatch:
 def loop_watch():
     """``async with loop_watch(model) as watch: ...``, then ``assert watch.loop_ran_during_forward``."""
     return LoopWatch
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding a test marked ``heavy`` (a minute or more) run first, each kept whole and in
+    order: under ``-n auto`` the long tests then overlap the many short ones rather than running
+    alone at the end. The order changes nothing else: every test is independent of it."""
+    heavy = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("heavy")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in heavy)

@@ -51,6 +51,7 @@ def test_missing_or_broken_files_are_detected(good_copy, tmp_path, damage):
     assert not loading.is_valid_conversion(folder)
 
 
+@pytest.mark.heavy
 @pytest.mark.model
 def test_a_half_written_cache_is_rebuilt(good_copy, tmp_path, monkeypatch):
     monkeypatch.setenv("SNAPKV_RAG_CACHE", str(tmp_path))

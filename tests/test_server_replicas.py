@@ -19,6 +19,7 @@ from server_testing import free_port
 serve = pytest.importorskip("ray.serve", reason="the ray extra (ray[serve]) is not installed")
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.heavy  # Ray's start-up and a replica's replacement: minutes
 KEY = {"Authorization": "Bearer secret"}
 QUESTIONS = [f"Which river is number {i}?" for i in range(8)]
 

@@ -61,6 +61,7 @@ def _copied_tree(tmp_path: Path) -> Path:
     return tree
 
 
+@pytest.mark.heavy
 def test_gpu_check_runs_from_a_copied_tree_without_the_package(tmp_path: Path) -> None:
     tree, out = _copied_tree(tmp_path), tmp_path / "out"
     image = tmp_path / "image"
@@ -145,6 +146,7 @@ def test_gpu_decode_killed_mid_run_leaves_valid_partial_results(tmp_path: Path) 
     assert any(c.get("snapkv", {}).get("status") == "ok" and c.get("full", {}).get("status") == "ok" for c in cells)
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not _embedded_model_available(), reason="the embedded model is not installed or cached")
 def test_cpu_decode_quick(tmp_path: Path) -> None:
     out = tmp_path / "cpu.json"
@@ -188,6 +190,7 @@ def _gone(pid: int) -> bool:
 # The load benchmark and the soak start real servers (ours and `transformers serve`) on loopback
 # ports; --quick runs them on a tiny random model with tiny counts, and each run must end by itself
 # (the timeout) with every server it started gone.
+@pytest.mark.heavy
 @pytest.mark.skipif(not _embedded_model_available(), reason="the tiny model borrows the embedded model's tokenizer")
 def test_load_benchmark_quick_runs_every_system_and_stops(tmp_path: Path) -> None:
     _run("load.py", "--quick", "--out", str(tmp_path), timeout=600)
@@ -218,6 +221,7 @@ def test_load_benchmark_quick_runs_every_system_and_stops(tmp_path: Path) -> Non
     assert "| batched | 6 | 3 |" in table and "| transformers_serve | 10 | 3 |" in table and "| comparison |" in table
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not _embedded_model_available(), reason="the tiny model borrows the embedded model's tokenizer")
 def test_soak_quick_mixed_load(tmp_path: Path) -> None:
     _run("soak.py", "--quick", "--out", str(tmp_path), timeout=480)

@@ -46,6 +46,7 @@ def bounded():
     signal.signal(signal.SIGALRM, previous)
 
 
+@pytest.mark.heavy
 def test_ray_run_equals_single_process_through_an_actor_kill_and_a_resume(tmp_path, tiny, monkeypatch, capsys,
                                                                           bounded):
     pytest.importorskip("ray")

@@ -38,6 +38,7 @@ def _rows_written(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
+@pytest.mark.heavy
 def test_resume_after_sigkill_loses_and_doubles_nothing(tmp_path, tiny):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     proc = _run(killed)

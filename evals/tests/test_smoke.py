@@ -19,6 +19,7 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@pytest.mark.heavy
 @pytest.mark.model
 def test_smoke_preset_end_to_end(tmp_path):
     """Under 3 minutes of CPU. The wall time is printed, not asserted: on a 2-core machine shared
