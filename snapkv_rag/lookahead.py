@@ -118,14 +118,11 @@ def vote(runner, prefix: Prefix, tokens: list[int], methods: Mapping[str, Lookah
     with runner.lock, torch.inference_mode(), runner._sliced():
         runner._forward(ids, None, positions, cache_of)
     for i, state in enumerate(prefix.states):  # the states after the prompt, not after the draft
-        for rows in out.values():
-            if state is None:
-                continue
-            own = copy.deepcopy(state)
-            if isinstance(rows[0].layers[i], LayerKV):
-                rows[0].layers[i].state = own
-            else:
-                rows[0].layers[i] = own
+        for (kept,) in out.values():
+            if state is not None and isinstance(kept.layers[i], LayerKV):  # a hybrid layer: beside its K/V
+                kept.layers[i].state = copy.deepcopy(state)
+            elif state is not None:
+                kept.layers[i] = copy.deepcopy(state)
     return out
 
 
@@ -133,9 +130,9 @@ def select_layer(method: LookaheadSnapKVConfig, spec, layer_idx: int, num_layers
                  keys: torch.Tensor, values: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring, length: int,
                  drafted: int) -> LayerKV:
     """One attention layer of a ``length``-token prompt with a draft after it (``keys``/``values``
-    over both, ``query`` the prompt's last queries then the first ``drafted``... of the draft's):
-    head-adaptive SnapKV over prompt + draft, its window widened by the draft's first ``drafted``
-    tokens and its budget by as many slots, the draft's positions then dropped."""
+    over both; ``query`` the prompt's last queries, then the draft's): head-adaptive SnapKV over the
+    prompt and the draft's first ``drafted`` tokens, its window and its budget widened by them, their
+    positions then dropped. A sliding layer: head-adaptive SnapKV over the prompt alone."""
     total = keys.shape[-2]
     extra = total - length  # drafted positions in the pass
     if spec.window is not None:  # a sliding layer: its share ends with the prompt
