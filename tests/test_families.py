@@ -214,7 +214,9 @@ def test_concurrent_batch_equals_single_calls(family, method):
     batch_equals_single(llm, method)
 
 
-# lookahead prefills each request alone like any method, then drafts and votes: one family per layer kind
+# lookahead prefills each request alone like any method, then drafts and votes: compressing, one family per
+# layer kind (kept whole, every family: test_budget_above_the_prompt_is_the_full_cache; in compare with
+# other methods: tests/test_lookahead.py)
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gpt-oss", "deepseek-v3", "qwen3-next", "falcon-h1", "lfm2"])
 def test_lookahead_batch_equals_single_calls(name, tokenizer):
     llm = SnapKVLLM(model=model_of(name, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=NEW)
@@ -242,8 +244,7 @@ def test_compare_equals_generate_for_every_method(family):
                "random": RandomConfig(max_capacity_prompt=64, recent_size=8),
                "docsnapkv": DocSnapKVConfig(max_capacity_prompt=128, window_size=8),
                "keynorm": KeyNormConfig(max_capacity_prompt=64, window_size=8),
-               "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0),
-               "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=64, window_size=8, lookahead=4)}
+               "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0)}
     methods["kvzip"] = KVzipConfig(max_capacity_prompt=64, window_size=8)
     methods["kvzip-model"] = KVzipConfig(max_capacity_prompt=64, window_size=8, share="model", sink_tokens=2)
     docs = filler_documents(4)
