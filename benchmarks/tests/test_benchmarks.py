@@ -255,3 +255,50 @@ def test_peer_presses_pairs_each_method_of_ours_against_kvpresss_best_press():
     assert ada["n"] == 3 and abs(ada["diff"] - (1 + 1 + 0 - (1 + 0 + 1)) / 3) < 1e-9  # prompts 1-3 only
     assert found[("nq N=10", "ours:snapkv@25%")]["diff"] == -0.75
     assert "| nq N=10 | 25% | ours:adasnapkv@25% | kvpress:snapkv@25% | 3 |" in peer_presses.markdown(peer_presses.report(rows))
+
+
+@pytest.fixture
+def one_thread():
+    """A toy model is all overhead: one torch thread is faster on a busy machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_peer_presses_backfill_runs_only_the_missing_methods_and_checks_the_full_answer(monkeypatch, one_thread):
+    """A row written before a method of ours was added gets it from our side alone; our full cache
+    must give the stored answer again, else the row is refused (the two runs would not compare)."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    import peer_presses
+    from snapkv_testing import tiny_llama
+    from transformers import AutoTokenizer
+
+    from snapkv_rag import SnapKVLLM, loading
+
+    tokenizer = AutoTokenizer.from_pretrained(loading.default_model_dir())
+    llm = SnapKVLLM(model=tiny_llama(len(tokenizer)), tokenizer=tokenizer)
+    example, args = peer_presses.examples(1)[0], SimpleNamespace(max_new_tokens=4)
+    budget = round(0.25 * len(llm.request(example.question, list(example.documents), "text").input_ids))
+    full = peer_presses.our_side(llm, example, {0.25: budget}, args, only=set())[0]["ours:full"]
+    older = [f"ours:{name}@25%" for name in peer_presses.our_configs(64) if "lookahead" not in name]
+    row = {"example_id": example.id, "budgets": {"25%": budget}, "texts": {"ours:full": full, **dict.fromkeys(older, "x")},
+           "kept": {}, "selection_ms": {}}  # a row from before lookahead SnapKV
+    calls, compare = [], llm.compare
+    monkeypatch.setattr(llm, "compare", lambda *a, **k: calls.append(set(k["methods"])) or compare(*a, **k))
+    filled = peer_presses.backfill(llm, row, example, args)
+    assert calls == [{"full", "lookahead@25%", "lookahead4@25%", "lookahead1@25%"}]
+    assert {n: t for n, t in filled["texts"].items() if t != "x"}.keys() == {"ours:full", "ours:lookahead@25%",
+                                                                              "ours:lookahead4@25%", "ours:lookahead1@25%"}
+    assert set(filled["kept"]) == set(filled["selection_ms"]) == {"ours:full", "ours:lookahead@25%",
+                                                                  "ours:lookahead4@25%", "ours:lookahead1@25%"}
+    assert peer_presses.backfill(llm, filled, example, args) is filled and len(calls) == 1  # nothing left to run
+    del filled["texts"]["ours:lookahead1@25%"]
+    filled["texts"]["ours:full"] = "another answer"
+    with pytest.raises(RuntimeError, match="not comparable"):
+        peer_presses.backfill(llm, filled, example, args)
