@@ -48,7 +48,8 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
     ahead = {name: m for name, m in methods.items() if isinstance(m, LookaheadSnapKVConfig)}
     others = {name: m for name, m in methods.items() if name not in ahead} or {WHOLE: None}
     prompt = prompts[0]
-    whole = Capture(len(prompt), max_bytes=1 << 62, queries=max(m.window_size for m in ahead.values()))
+    # the prompt's own K/V tensors, not copies: a full cache holds them anyway, and no pass writes into them
+    whole = Capture(len(prompt), max_bytes=1 << 62, queries=max(m.window_size for m in ahead.values()), own=False)
     if any(isinstance(m, KVzipConfig) for m in others.values()):  # its pass runs the re-read on: a second one
         first = runner.prefill(prompts, others)
         base = runner.prefill(prompts, {WHOLE: None}, whole=whole)

@@ -212,6 +212,7 @@ class Capture:
     length: int
     max_bytes: int
     queries: int = QUERY_TAIL  # the last positions whose queries are kept
+    own: bool = True  # clone the K/V (False: keep the pass's own tensors, for a caller that holds them anyway)
     layers: list[PrefixLayer | None] = field(default_factory=list)
     nbytes: int = 0
     too_big: bool = False
@@ -228,7 +229,10 @@ class Capture:
             return
         while len(self.layers) <= layer_idx:
             self.layers.append(None)
-        self.layers[layer_idx] = PrefixLayer(*(t.clone() for t in parts))
+        keys, values, queries = parts
+        if self.own:
+            keys, values = keys.clone(), values.clone()
+        self.layers[layer_idx] = PrefixLayer(keys, values, queries.clone())  # (a view would hold every query)
 
     def prefix(self, ids: Sequence[int], num_layers: int, states: tuple = ()) -> Prefix:
         layers = self.layers + [None] * (num_layers - len(self.layers))
