@@ -76,11 +76,11 @@ def states_of(kept: Compressed) -> tuple:
                  for spec, layer in zip(kept.specs, kept.layers))
 
 
-def _pass(runner, prefix: Prefix, tokens: list[int], hook=None) -> torch.Tensor:
+def _pass(runner, prefix: Prefix, tokens: list[int], hook_for=None) -> torch.Tensor:
     """``tokens`` after the whole prompt ``prefix`` (its recurrent states copied, never stepped in
-    place), each layer handed to ``hook``; the last token's logits ``[1, V]``."""
+    place), each layer handed to ``hook_for(cache)`` when given; the last token's logits ``[1, V]``."""
     cache = tails.with_states(PromptCache(runner.model.config, runner.specs, prefix), prefix.states)
-    cache.compress = hook
+    cache.compress = hook_for and hook_for(cache)
     ids = torch.tensor([tokens], device=runner.device)
     positions = torch.arange(prefix.length, prefix.length + len(tokens), device=runner.device)[None]
     with runner.lock, torch.inference_mode(), runner._sliced():
@@ -103,21 +103,19 @@ def vote(runner, prefix: Prefix, tokens: list[int], methods: Mapping[str, Lookah
     specs, length = runner.specs, prefix.length
     out = {name: [Compressed(m, specs, [None] * len(specs), length)] for name, m in methods.items()}
 
-    def hook(layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
-        layer = cache_of.layers[layer_idx]
-        keys, values = layer.pending
-        query = torch.cat([layer.prefix.queries, query], dim=-2)  # the prompt's window, then the draft
-        for name, method in methods.items():
-            out[name][0].layers[layer_idx] = select_layer(method, layer.spec, layer_idx, len(specs), query, keys,
-                                                          values, vote_keys, scoring, length, min(len(tokens), method.lookahead))
-        layer.pending, layer.done = None, True
+    def hook_for(cache: PromptCache):
+        def hook(layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
+            layer = cache.layers[layer_idx]
+            keys, values = layer.pending
+            query = torch.cat([layer.prefix.queries, query], dim=-2)  # the prompt's window, then the draft
+            for name, method in methods.items():
+                out[name][0].layers[layer_idx] = select_layer(method, layer.spec, layer_idx, len(specs), query, keys,
+                                                              values, vote_keys, scoring, length,
+                                                              min(len(tokens), method.lookahead))
+            layer.pending, layer.done = None, True
+        return hook
 
-    cache_of = tails.with_states(PromptCache(runner.model.config, specs, prefix), prefix.states)
-    cache_of.compress = hook
-    ids = torch.tensor([tokens], device=runner.device)
-    positions = torch.arange(length, length + len(tokens), device=runner.device)[None]
-    with runner.lock, torch.inference_mode(), runner._sliced():
-        runner._forward(ids, None, positions, cache_of)
+    _pass(runner, prefix, tokens, hook_for)
     for i, state in enumerate(prefix.states):  # the states after the prompt, not after the draft
         for (kept,) in out.values():
             if state is not None and isinstance(kept.layers[i], LayerKV):  # a hybrid layer: beside its K/V
