@@ -38,7 +38,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from . import __version__, prefix_cache, ragged
+from . import __version__, prefix_cache, ragged, tails
 from .cache import FULL, LATENT, NONE, RECURRENT, SLIDING, LayerKV
 from .config import KeyNormConfig, KVzipConfig, RandomConfig, StreamingLLMConfig
 from .lru import ByteLRU
@@ -128,7 +128,7 @@ class Stored:
     def of(cls, key: str, ids: Sequence[int], layers: Sequence, method, documents, instruction: str):
         """From a prefill's compressed layers (ragged heads padded, as a prefill leaves them; a
         recurrent layer's state object, a hybrid layer's state beside its K/V)."""
-        states = tuple(kv.state if isinstance(kv, LayerKV) else None if kv is None else kv for kv in layers)
+        states = tails.held_states(layers)
         return cls(key, tuple(ids), tuple(ragged.pack(kv) if isinstance(kv, LayerKV) else None for kv in layers),
                    method, tuple(documents), instruction, states if any(s is not None for s in states) else ())
 

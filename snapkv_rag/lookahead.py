@@ -24,7 +24,6 @@ window alone (the draft sits beyond what their share of the prompt ends at).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from typing import Any, Mapping
@@ -59,7 +58,7 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
         first = runner.prefill(prompts, others, whole=whole)
     begin = time.perf_counter()
     kept = first.compressed[WHOLE][0] if WHOLE in first.compressed else next(iter(first.compressed.values()))[0]
-    prefix = whole.prefix(prompt, len(runner.specs), states_of(kept))
+    prefix = whole.prefix(prompt, len(runner.specs), tails.held_states(kept.layers))
     tokens = draft(runner, prefix, int(first.logits[0].argmax()), max(m.lookahead for m in ahead.values()))
     out = vote(runner, prefix, tokens, ahead)
     spent = time.perf_counter() - begin
@@ -68,12 +67,6 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
         rows[0].selection_s = spent
         compressed[name] = rows
     return dataclasses.replace(first, compressed=compressed, prefill_s=first.prefill_s + spent)
-
-
-def states_of(kept: Compressed) -> tuple:
-    """Per layer the recurrent state a compressed prompt holds (``None`` where there is none)."""
-    return tuple(layer.state if isinstance(layer, LayerKV) else layer if spec.state else None
-                 for spec, layer in zip(kept.specs, kept.layers))
 
 
 def _pass(runner, prefix: Prefix, tokens: list[int], hook_for=None) -> torch.Tensor:
@@ -116,12 +109,8 @@ def vote(runner, prefix: Prefix, tokens: list[int], methods: Mapping[str, Lookah
         return hook
 
     _pass(runner, prefix, tokens, hook_for)
-    for i, state in enumerate(prefix.states):  # the states after the prompt, not after the draft
-        for (kept,) in out.values():
-            if state is not None and isinstance(kept.layers[i], LayerKV):  # a hybrid layer: beside its K/V
-                kept.layers[i].state = copy.deepcopy(state)
-            elif state is not None:
-                kept.layers[i] = copy.deepcopy(state)
+    for (kept,) in out.values():  # the states after the prompt, not after the draft
+        tails.place_states(kept.layers, prefix.states, copies=True)
     return out
 
 

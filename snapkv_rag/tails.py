@@ -93,13 +93,26 @@ def stepwise_tail(forward: Callable, cache: PromptCache, prefix, ids: list[int],
 
 def states_after(cache: PromptCache, layers: list) -> list:
     """``layers`` (a tail's K/V per attention layer) with the recurrent states ``cache`` ends with
-    (:func:`states_of`): a recurrent layer's state object in its place, a hybrid layer's beside its K/V."""
-    for i, state in enumerate(states_of(cache, cache.specs)):
+    (:func:`states_of`), placed by :func:`place_states`."""
+    return place_states(layers, states_of(cache, cache.specs))
+
+
+def place_states(layers: list, states: Sequence, copies: bool = False) -> list:
+    """``layers`` (a compressed prompt's, per layer) with ``states`` in them (deep copies with
+    ``copies``): a recurrent layer's state object in its place, a hybrid layer's beside its K/V."""
+    for i, state in enumerate(states):
+        state = copy.deepcopy(state) if copies and state is not None else state
         if isinstance(layers[i], LayerKV):
             layers[i].state = state
         elif state is not None:
             layers[i] = state
     return layers
+
+
+def held_states(layers: Sequence) -> tuple:
+    """Per layer the recurrent state a compressed prompt's ``layers`` hold (a hybrid layer's beside
+    its K/V, a recurrent layer's object itself), ``None`` where there is none."""
+    return tuple(kv.state if isinstance(kv, LayerKV) else None if kv is None else kv for kv in layers)
 
 
 def capture_only(cache: PromptCache, capture) -> PromptCache:
