@@ -43,15 +43,21 @@ GRID_QUESTIONS = 100  # evals/results/methods: --num-questions 100, seed 0
 METRICS = ("identical_to_full", "f1_vs_full", "f1")
 
 
-def examples(count: int) -> list:
-    """The grid's prompts (its 100 questions per set, the same seeded sample), the three sets in
-    turn: NQ N=10, NQ N=20 (gold middle), HotpotQA: 300 at most."""
+SETS = ("nq10", "nq20", "hotpotqa")
+
+
+def examples(count: int, sets: tuple = SETS) -> list:
+    """The grid's prompts (its 100 questions per set, the same seeded sample), the ``sets`` in
+    turn (all three: NQ N=10, NQ N=20 (gold middle), HotpotQA): ``count`` at most."""
     from evals.datasets import multihop_examples, nq_examples
 
+    unknown = set(sets) - set(SETS)
+    if unknown or not sets:
+        raise ValueError(f"--sets: {sorted(unknown) or 'none given'}; the sets are {', '.join(SETS)}")
     nq = nq_examples(GRID_QUESTIONS, [10, 20], ["middle"], 0)
-    sets = [[e for e in nq if e.num_docs == 10], [e for e in nq if e.num_docs == 20],
-            multihop_examples("hotpotqa", GRID_QUESTIONS, [10], 0)]
-    return [e for trio in zip(*sets) for e in trio][:count]
+    every = {"nq10": [e for e in nq if e.num_docs == 10], "nq20": [e for e in nq if e.num_docs == 20],
+             "hotpotqa": multihop_examples("hotpotqa", GRID_QUESTIONS, [10], 0)}
+    return [e for turn in zip(*(every[name] for name in SETS if name in sets)) for e in turn][:count]
 
 
 def our_configs(budget: int) -> dict:
@@ -62,6 +68,7 @@ def our_configs(budget: int) -> dict:
             "docsnapkv": DocSnapKVConfig(max_capacity_prompt=budget),
             "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=budget),
             "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # 8 drafted tokens
+            "lookahead_even": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=1.0),  # SnapKV's bytes
             "lookahead4": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4),
             "lookahead1": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=1)}
 
@@ -226,7 +233,26 @@ def write_report(out: Path) -> dict:
     summary = report(rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(markdown(summary))
+    plot(summary, out / "fidelity_vs_budget.png")
     return summary
+
+
+PLOTTED = ("ours:snapkv", "ours:docsnapkv", "ours:adasnapkv", "ours:lookahead", "ours:lookahead_even",
+           *(f"kvpress:{p}" for p in PRESSES))
+
+
+def plot(summary: dict, path: Path) -> bool:
+    """Identical-to-full against the share kept, NQ (both cells) and HotpotQA side by side: our main
+    methods solid, kvpress's presses dashed."""
+    from evals.plots import METRIC_LABELS, against_budget
+
+    sets = ("nq (N=10 and 20)", "hotpotqa")
+    prompts = {label: max((r["n"] for r in summary["table"] if r["set"] == label), default=0) for label in sets}
+    records = [{**r, "panel": f"{r['set']}, {prompts[r['set']]} prompts", "identical_to_full_lo": r["identical_to_full_ci"][0],
+                "identical_to_full_hi": r["identical_to_full_ci"][1]} for r in summary["table"]
+               if r["set"] in sets and r["method"].split("@")[0] in PLOTTED]
+    return against_budget(records, "identical_to_full", METRIC_LABELS["identical_to_full"], path,
+                          dashed=lambda method: method.startswith("kvpress:"))
 
 
 def main() -> None:
@@ -235,6 +261,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model's cached folder)")
     parser.add_argument("--prompts", type=int, default=300, help="prompts in all, the sets in turn (default and "
                         "most: 300)")
+    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS,
+                        help="which sets to run, in turn (default: all three); rows already written are kept")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.25], help="shares kept (0.5 0.25)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, both halves")
@@ -276,7 +304,7 @@ def main() -> None:
     newline_ids = [i for i in range(len(llm.tokenizer)) if "\n" in llm.tokenizer.decode([i])]
     worker = KVPressWorker(args.kvpress_python, model_dir, args.threads)
     try:
-        for example in examples(args.prompts):
+        for example in examples(args.prompts, tuple(args.sets)):
             if example.id in done:
                 continue
             row = run_prompt(llm, worker, example, args.shares, args, eos, newline_ids)

@@ -1,5 +1,5 @@
 """matplotlib figures for a run: answer and citation F1 against N, accuracy against gold position,
-and fidelity (attention hit rate) against N. One line per method, 95% intervals as error bars."""
+fidelity (attention hit rate) against N, and fidelity against the share of the prompt kept. One line per method, 95% intervals as error bars."""
 
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ def _errorbar(ax, xs, records: Sequence[dict], metric: str, label: str, offset: 
     ax.errorbar([x + offset for x in xs], ys, yerr=[lo, hi], marker="o", capsize=3, label=label)
 
 
+def _finish(fig, axes, ylabel: str, path: Path, legend_size: int = 8) -> None:
+    """The y label on the first panel, the legend on the last, the figure written and closed."""
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def against_n(by_n: Sequence[dict], methods: Sequence[str], metric: str, ylabel: str, path: Path) -> None:
     datasets = sorted({r["dataset"] for r in by_n})
     fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
@@ -35,10 +44,7 @@ def against_n(by_n: Sequence[dict], methods: Sequence[str], metric: str, ylabel:
         ax.set_xlabel("documents in the prompt (N)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, axes, ylabel, path)
 
 
 def against_position(cells: Sequence[dict], methods: Sequence[str], metric: str, ylabel: str, path: Path) -> bool:
@@ -61,11 +67,7 @@ def against_position(cells: Sequence[dict], methods: Sequence[str], metric: str,
         ax.set_title(f"{dataset}, N={n}")
         ax.set_xlabel("gold document position")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(ylabel)
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, axes, ylabel, path)
     return True
 
 
@@ -109,6 +111,46 @@ def depth_heatmaps(cells: Sequence[dict], methods: Sequence[str], metric: str, f
     return written
 
 
+def share_of(method: str) -> tuple[str, float] | None:
+    """``snapkv@25%`` (a method at a share of the prompt) -> ``("snapkv", 0.25)``; a method at a
+    token budget, or without one, -> None."""
+    name, _, budget = method.rpartition("@")
+    if not name or not budget.endswith("%"):
+        return None
+    try:
+        return name, float(budget[:-1]) / 100
+    except ValueError:
+        return None
+
+
+def against_budget(records: Sequence[dict], metric: str, ylabel: str, path: Path, dashed=lambda method: False
+                   ) -> bool:
+    """Fidelity against the share of the prompt kept: one panel per ``record["panel"]``, one line per
+    method (its ``name@share`` records; dashed where ``dashed(name)``), each ending at the full cache
+    (share 1, fidelity 1 by definition). False, and no file, when no method ran at a share."""
+    shown = [(r, share_of(r["method"])) for r in records if share_of(r["method"]) and metric in r]
+    if not shown:
+        return False
+    panels = list(dict.fromkeys(r["panel"] for r, _ in shown))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False, sharey=True)
+    for ax, panel in zip(axes[0], panels):
+        families = list(dict.fromkeys(family for r, (family, _) in shown if r["panel"] == panel))
+        colors = plt.get_cmap("tab10" if len(families) <= 10 else "tab20").colors
+        for i, family in enumerate(families):
+            points = sorted((share, r) for r, (name, share) in shown if r["panel"] == panel and name == family)
+            xs = [100 * share for share, _ in points] + [100]
+            ys = [r[metric] for _, r in points] + [1.0]
+            lo = [y - r.get(metric + "_lo", y) for y, (_, r) in zip(ys, points)] + [0]
+            hi = [r.get(metric + "_hi", y) - y for y, (_, r) in zip(ys, points)] + [0]
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=family, color=colors[i % len(colors)],
+                        linestyle="--" if dashed(family) else "-")
+        ax.set_title(panel)
+        ax.set_xlabel("share of the prompt kept (%)")
+        ax.grid(alpha=0.3)
+    _finish(fig, axes, ylabel, path, legend_size=7)
+    return True
+
+
 METRIC_LABELS = {"subspan_em": "accuracy (answer inside the output)",
                  "identical_to_full": "fidelity (same answer as the full cache)"}
 
@@ -123,6 +165,9 @@ def plot_all(rows: Sequence[dict], by_n: Sequence[dict], cells: Sequence[dict], 
                                  ("f1_vs_full", "answer F1 vs full-cache answer", "fidelity_f1_vs_n.png")):
         against_n(by_n, methods, metric, ylabel, folder / name)
         written.append(folder / name)
+    panels = [{**r, "panel": f"{r['dataset']}, N={r['num_docs']}"} for r in by_n]
+    if against_budget(panels, "identical_to_full", METRIC_LABELS["identical_to_full"], folder / "fidelity_vs_budget.png"):
+        written.append(folder / "fidelity_vs_budget.png")
     if against_position(cells, methods, "subspan_em", "accuracy (best-subspan EM)", folder / "accuracy_vs_position.png"):
         written.append(folder / "accuracy_vs_position.png")
     return (written + depth_heatmaps(cells, methods, "subspan_em", folder)

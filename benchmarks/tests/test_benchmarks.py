@@ -257,6 +257,24 @@ def test_peer_presses_pairs_each_method_of_ours_against_kvpresss_best_press():
     assert "| nq N=10 | 25% | ours:adasnapkv@25% | kvpress:snapkv@25% | 3 |" in peer_presses.markdown(peer_presses.report(rows))
 
 
+def test_peer_presses_sets_keep_the_grid_order_and_the_report_plots_fidelity_against_the_share(tmp_path):
+    sys.path.insert(0, str(HERE))
+    import peer_presses
+
+    every, nq = peer_presses.examples(9), peer_presses.examples(6, ("nq10", "nq20"))
+    assert [(e.dataset, e.num_docs) for e in every[:3]] == [("nq", 10), ("nq", 20), ("hotpotqa", 10)]
+    assert [e.id for e in nq] == [e.id for e in peer_presses.examples(15) if e.dataset == "nq"][:6]
+    with pytest.raises(ValueError, match="nq30"):
+        peer_presses.examples(3, ("nq10", "nq30"))
+    texts = {"ours:full": "Paris", "kvpress:full": "Paris", "ours:snapkv@25%": "Paris", "ours:snapkv@50%": "Paris",
+             "ours:lookahead@25%": "Lyon", "kvpress:adakv@25%": "Lyon", "kvpress:adakv@50%": "Paris"}
+    rows = [{"example_id": f"nq-{i}", "dataset": "nq", "num_docs": 10, "answers": ["Paris"], "texts": texts}
+            for i in range(3)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    peer_presses.write_report(tmp_path)
+    assert (tmp_path / "fidelity_vs_budget.png").stat().st_size > 1000
+
+
 @pytest.fixture
 def one_thread():
     """A toy model is all overhead: one torch thread is faster on a busy machine."""
@@ -292,11 +310,11 @@ def test_peer_presses_backfill_runs_only_the_missing_methods_and_checks_the_full
     calls, compare = [], llm.compare
     monkeypatch.setattr(llm, "compare", lambda *a, **k: calls.append(set(k["methods"])) or compare(*a, **k))
     filled = peer_presses.backfill(llm, row, example, args)
-    assert calls == [{"full", "lookahead@25%", "lookahead4@25%", "lookahead1@25%"}]
-    assert {n: t for n, t in filled["texts"].items() if t != "x"}.keys() == {"ours:full", "ours:lookahead@25%",
-                                                                              "ours:lookahead4@25%", "ours:lookahead1@25%"}
-    assert set(filled["kept"]) == set(filled["selection_ms"]) == {"ours:full", "ours:lookahead@25%",
-                                                                  "ours:lookahead4@25%", "ours:lookahead1@25%"}
+    newer = {f"{name}@25%" for name in peer_presses.our_configs(64) if "lookahead" in name}
+    assert len(newer) >= 3 and calls == [{"full", *newer}]
+    run = {"ours:full", *(f"ours:{name}" for name in newer)}
+    assert {n: t for n, t in filled["texts"].items() if t != "x"}.keys() == run
+    assert set(filled["kept"]) == set(filled["selection_ms"]) == run
     assert peer_presses.backfill(llm, filled, example, args) is filled and len(calls) == 1  # nothing left to run
     del filled["texts"]["ours:lookahead1@25%"]
     filled["texts"]["ours:full"] = "another answer"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from evals.plots import against_budget, share_of
 from evals.report import add_paired_deltas, aggregate
 
 
@@ -23,3 +24,16 @@ def test_paired_difference_is_taken_prompt_by_prompt():
     # the paired interval is a point (the difference never varies) while the two means' own intervals overlap
     assert abs(snap["f1_minus_full_lo"] + 0.1) < 1e-9 and abs(snap["f1_minus_full_hi"] + 0.1) < 1e-9
     assert snap["f1_hi"] > ref["f1_lo"]
+
+
+def test_fidelity_is_plotted_against_the_share_kept_only_for_methods_run_at_a_share(tmp_path):
+    assert share_of("snapkv@25%") == ("snapkv", 0.25) and share_of("ours:lookahead@50%") == ("ours:lookahead", 0.5)
+    assert share_of("snapkv@1024") is None and share_of("full") is None and share_of("x@half%") is None
+    rows = [_row(f"e{i}", method, 0.5) | {"identical_to_full": float(i % 2)}
+            for i in range(4) for method in ("full", "snapkv@25%", "snapkv@50%", "h2o@25%")]
+    cells = [r | {"panel": "nq, N=5"} for r in aggregate(rows, ("dataset", "method"))]
+    assert against_budget(cells, "identical_to_full", "same answer", tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 1000
+    tokens = [c | {"method": c["method"].replace("%", "")} for c in cells]  # token budgets only: nothing to draw
+    assert not against_budget(tokens, "identical_to_full", "same answer", tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
