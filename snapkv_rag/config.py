@@ -197,7 +197,7 @@ class LookaheadSnapKVConfig(AdaSnapKVConfig):
     cache; the queries of those drafted tokens vote beside the prompt's last ``window_size`` queries
     (head-adaptive budgets as :class:`AdaSnapKVConfig`, ``floor=1`` for an even split), then the
     draft is dropped and the answer is decoded from the compressed cache as for any method. The
-    draft costs ``lookahead`` short passes over the full prompt (counted in the selection time);
+    draft costs ``lookahead`` decode steps over the full prompt (counted in the selection time);
     sliding-window layers vote with the prompt's window alone. Not served from the prefix cache."""
 
     lookahead: int = 8

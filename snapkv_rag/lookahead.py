@@ -12,9 +12,9 @@ The request path, top to bottom (:func:`prefill`):
 
 1. the prompt runs once, compressed under the other methods of the call, its whole K/V and last
    queries kept in a :class:`~snapkv_rag.prefix_cache.Capture` (and its recurrent states copied);
-2. :func:`draft`: greedy tokens over that whole prompt, one short pass each;
-3. :func:`vote`: one pass of the drafted tokens over the whole prompt, every attention layer
-   selected by :func:`select_layer` from the prompt's window and the draft's queries together.
+2. :func:`draft_and_vote`: greedy tokens over that whole prompt, one decode step each (each
+   step's K/V joining what the next sees), the step of the last one selecting every attention
+   layer by :func:`select_layer` from the prompt's window and the draft's queries together.
 
 A layer keeps what head-adaptive SnapKV keeps on the prompt with the draft appended, its window
 widened by the draft and its budget by as many slots, less the draft's own positions: the same
@@ -33,7 +33,7 @@ import torch
 from . import tails
 from .cache import Compressed, LayerKV, PromptCache, Scoring, compress_layer
 from .config import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig
-from .prefix_cache import Capture, Prefix
+from .prefix_cache import Capture, Prefix, PrefixLayer
 
 WHOLE = "\0whole"
 """The internal name of the full cache a call without any other method still needs for its prefill."""
@@ -59,8 +59,7 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
     begin = time.perf_counter()
     kept = first.compressed[WHOLE][0] if WHOLE in first.compressed else next(iter(first.compressed.values()))[0]
     prefix = whole.prefix(prompt, len(runner.specs), tails.held_states(kept.layers))
-    tokens = draft(runner, prefix, int(first.logits[0].argmax()), max(m.lookahead for m in ahead.values()))
-    out = vote(runner, prefix, tokens, ahead)
+    _, out = draft_and_vote(runner, prefix, int(first.logits[0].argmax()), max(m.lookahead for m in ahead.values()), ahead)
     spent = time.perf_counter() - begin
     compressed = {name: rows for name, rows in first.compressed.items() if name != WHOLE}
     for name, rows in out.items():
@@ -69,49 +68,48 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
     return dataclasses.replace(first, compressed=compressed, prefill_s=first.prefill_s + spent)
 
 
-def _pass(runner, prefix: Prefix, tokens: list[int], hook_for=None) -> torch.Tensor:
-    """``tokens`` after the whole prompt ``prefix`` (its recurrent states copied, never stepped in
-    place), each layer handed to ``hook_for(cache)`` when given; the last token's logits ``[1, V]``."""
-    cache = tails.with_states(PromptCache(runner.model.config, runner.specs, prefix), prefix.states)
-    cache.compress = hook_for and hook_for(cache)
-    ids = torch.tensor([tokens], device=runner.device)
-    positions = torch.arange(prefix.length, prefix.length + len(tokens), device=runner.device)[None]
-    with runner.lock, torch.inference_mode(), runner._sliced():
-        return runner._forward(ids, None, positions, cache)
-
-
-def draft(runner, prefix: Prefix, first: int, count: int) -> list[int]:
+def draft_and_vote(runner, prefix: Prefix, first: int, count: int, methods: Mapping[str, LookaheadSnapKVConfig]
+                   ) -> tuple[list[int], dict[str, list[Compressed]]]:
     """The model's greedy answer over the whole prompt ``prefix``, from its ``first`` token: at most
-    ``count`` tokens, ending early at an end-of-sequence token."""
-    tokens = [first]
-    while len(tokens) < count and tokens[-1] not in runner.eos_ids:
-        tokens.append(int(_pass(runner, prefix, tokens)[0].argmax()))
-    return tokens
-
-
-def vote(runner, prefix: Prefix, tokens: list[int], methods: Mapping[str, LookaheadSnapKVConfig]
-         ) -> dict[str, list[Compressed]]:
-    """One pass of the drafted ``tokens`` over the whole prompt: each attention layer kept under every
-    method by :func:`select_layer`, with the prompt's recurrent states (copies) after it."""
+    ``count`` tokens, ending early at an end-of-sequence token. One token per step, each step's K/V
+    joining what the next one sees (a decode step over the full prompt); the step of the last
+    drafted token selects every attention layer under every method by :func:`select_layer`, from
+    the prompt's window and the draft's queries. The recurrent layers step copies of the prompt's
+    states; the kept cache gets the states after the prompt, not after the draft.
+    Returns the drafted tokens and, per method, its compressed cache."""
     specs, length = runner.specs, prefix.length
+    cache = tails.with_states(PromptCache(runner.model.config, specs, prefix), prefix.states)
     out = {name: [Compressed(m, specs, [None] * len(specs), length)] for name, m in methods.items()}
+    queries: list[list[torch.Tensor]] = [[] for _ in specs]  # per layer, the draft's queries so far
+    tokens, last = [first], [False]
 
-    def hook_for(cache: PromptCache):
-        def hook(layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
-            layer = cache.layers[layer_idx]
-            keys, values = layer.pending
-            query = torch.cat([layer.prefix.queries, query], dim=-2)  # the prompt's window, then the draft
-            for name, method in methods.items():
-                out[name][0].layers[layer_idx] = select_layer(method, layer.spec, layer_idx, len(specs), query, keys,
-                                                              values, vote_keys, scoring, length,
-                                                              min(len(tokens), method.lookahead))
-            layer.pending, layer.done = None, True
-        return hook
+    def hook(layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
+        layer = cache.layers[layer_idx]
+        keys, values = layer.pending
+        queries[layer_idx].append(query)
+        layer.pending = None
+        if not last[0]:  # the next step runs over the prompt and the draft so far
+            layer.prefix, layer.prefix_length = PrefixLayer(keys, values, prefix.layers[layer_idx].queries), length + len(tokens)
+            return
+        query = torch.cat([prefix.layers[layer_idx].queries, *queries[layer_idx]], dim=-2)  # the window, then the draft
+        for name, method in methods.items():
+            out[name][0].layers[layer_idx] = select_layer(method, layer.spec, layer_idx, len(specs), query, keys, values,
+                                                          vote_keys, scoring, length, min(len(tokens), method.lookahead))
+        layer.done = True
 
-    _pass(runner, prefix, tokens, hook_for)
+    cache.compress = hook
+    with runner.lock, torch.inference_mode(), runner._sliced():
+        while True:
+            last[0] = len(tokens) == count or tokens[-1] in runner.eos_ids
+            at = length + len(tokens) - 1
+            logits = runner._forward(torch.tensor([[tokens[-1]]], device=runner.device), None,
+                                     torch.tensor([[at]], device=runner.device), cache)
+            if last[0]:
+                break
+            tokens.append(int(logits[0].argmax()))
     for (kept,) in out.values():  # the states after the prompt, not after the draft
         tails.place_states(kept.layers, prefix.states, copies=True)
-    return out
+    return tokens, out
 
 
 def select_layer(method: LookaheadSnapKVConfig, spec, layer_idx: int, num_layers: int, query: torch.Tensor,

@@ -22,6 +22,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from families import COMMON, FAMILIES, tiny_model
+from snapkv_rag import lookahead
 from snapkv_rag import (AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM,
                         StreamingLLMConfig)
 from snapkv_testing import capture_caches, filler_documents, tiny_llama
@@ -218,8 +219,18 @@ def test_concurrent_batch_equals_single_calls(family, method):
 # layer kind (kept whole, every family: test_budget_above_the_prompt_is_the_full_cache; in compare with
 # other methods: tests/test_lookahead.py)
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gpt-oss", "deepseek-v3", "qwen3-next", "falcon-h1", "lfm2"])
-def test_lookahead_batch_equals_single_calls(name, tokenizer):
+def test_lookahead_drafts_the_models_greedy_answer_and_batch_equals_single_calls(name, tokenizer, monkeypatch):
     llm = SnapKVLLM(model=model_of(name, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=NEW)
+    ids, eos = llm.request(QUESTION, filler_documents(4)).input_ids, sorted(llm.runner.eos_ids)
+    greedy = llm.model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, eos_token_id=eos,
+                                pad_token_id=eos[0])[0, len(ids):].tolist()  # transformers' own cache and states
+    greedy = greedy[: next((i + 1 for i, t in enumerate(greedy) if t in eos), 4)]
+    seen, real = [], lookahead.draft_and_vote
+    monkeypatch.setattr(lookahead, "draft_and_vote", lambda *args: seen.append(real(*args)) or seen[-1])
+    llm.generate(QUESTION, filler_documents(4), snapkv=LookaheadSnapKVConfig(max_capacity_prompt=64, window_size=8,
+                                                                              lookahead=4), max_new_tokens=1)
+    assert [tokens for tokens, _ in seen] == [greedy]  # drafted one decode step at a time over the full prompt
+    monkeypatch.undo()
     batch_equals_single(llm, partial(LookaheadSnapKVConfig, lookahead=4))
 
 

@@ -29,10 +29,11 @@ def test_the_draft_is_the_full_caches_greedy_answer_and_votes_as_the_end_of_a_lo
     full = tiny_engine.model.generate(torch.tensor([ids]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
                                       pad_token_id=2)[0, len(ids):].tolist()  # transformers' own greedy answer
     seen = []
-    real = lookahead.draft
-    monkeypatch.setattr(lookahead, "draft", lambda *args: seen.append(real(*args)) or seen[-1])
+    real = lookahead.draft_and_vote
+    monkeypatch.setattr(lookahead, "draft_and_vote", lambda *args: seen.append(real(*args)) or seen[-1])
     ours = kept(tiny_engine, ids, AHEAD)
-    assert seen == [full] and len(full) == 4
+    assert [tokens for tokens, _ in seen] == [full] and len(full) == 4
+    seen = [full]
     wider = AdaSnapKVConfig(max_capacity_prompt=64 + 4, window_size=8 + 4, floor=0.0)
     reference = kept(tiny_engine, ids + seen[0], wider)
     plain = kept(tiny_engine, ids, AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0))
