@@ -39,6 +39,7 @@ from evals.report import bootstrap_ci  # noqa: E402
 
 PRESSES = ("snapkv", "adakv", "criticaladakv", "finch", "chunkkv", "tova")
 BASELINE = "ours:snapkv"
+DRAFT = 8  # lookahead SnapKV's default drafted tokens
 GRID_QUESTIONS = 100  # evals/results/methods: --num-questions 100, seed 0
 METRICS = ("identical_to_full", "f1_vs_full", "f1")
 
@@ -146,12 +147,21 @@ def set_label(row: dict) -> str:
     return f"nq N={row['num_docs']}" if row["dataset"] == "nq" else row["dataset"]
 
 
-def report(rows: list[dict]) -> dict:
+def draft_label(row: dict, answer_tokens) -> str:
+    """Whether the full cache's answer, with the newline that ends it, fits in lookahead's default
+    draft (then the draft that votes is that whole answer) or runs past it."""
+    within = answer_tokens(row["texts"]["ours:full"]) + 1 <= DRAFT
+    return f"all: full answer {'within' if within else 'longer than'} the {DRAFT}-token draft"
+
+
+def report(rows: list[dict], answer_tokens=None) -> dict:
     """Per (set, share, method): n, means with intervals, paired differences from our SnapKV. The
-    sets: each one alone, both NQ cells together, and everything."""
+    sets: each one alone, both NQ cells together, and everything; with ``answer_tokens`` (text ->
+    its token count) also every prompt split by :func:`draft_label`."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
-        for label in {set_label(row), "nq (N=10 and 20)" if row["dataset"] == "nq" else "", "all"} - {""}:
+        labels = {set_label(row), "nq (N=10 and 20)" if row["dataset"] == "nq" else "", "all"} - {""}
+        for label in labels | ({draft_label(row, answer_tokens)} if answer_tokens else set()):
             groups[label].append(row)
     table = []
     for label, members in sorted(groups.items()):
@@ -228,9 +238,12 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(out: Path) -> dict:
+def write_report(out: Path, tokenizer=None) -> dict:
+    """summary.json, summary.md and the plot from ``out/rows.jsonl``; with ``tokenizer`` (the
+    model's) the prompts are also split by the full answer's length against the draft."""
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
-    summary = report(rows)
+    answer_tokens = (lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])) if tokenizer else None
+    summary = report(rows, answer_tokens)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(markdown(summary))
     plot(summary, out / "fidelity_vs_budget.png")
@@ -273,7 +286,11 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        print(markdown(write_report(args.out)))
+        from transformers import AutoTokenizer
+
+        from snapkv_rag.loading import default_model_dir
+
+        print(markdown(write_report(args.out, AutoTokenizer.from_pretrained(args.model or default_model_dir()))))
         return
 
     import torch
@@ -296,7 +313,7 @@ def main() -> None:
             partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
             os.replace(partial, rows_path)
             print(f"{i + 1}/{len(rows)}: {row['example_id']} backfilled", flush=True)
-        print(markdown(write_report(args.out)))
+        print(markdown(write_report(args.out, llm.tokenizer)))
         return
     eos_config = llm.model.generation_config.eos_token_id
     eos = sorted({llm.tokenizer.eos_token_id, *([eos_config] if isinstance(eos_config, int) else eos_config or [])}
@@ -314,7 +331,7 @@ def main() -> None:
             print(f"{len(done)}: {example.id} ({row['prompt_tokens']} tokens) done", flush=True)
     finally:
         worker.close()
-    print(markdown(write_report(args.out)))
+    print(markdown(write_report(args.out, llm.tokenizer)))
 
 
 if __name__ == "__main__":

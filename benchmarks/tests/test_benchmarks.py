@@ -273,6 +273,11 @@ def test_peer_presses_sets_keep_the_grid_order_and_the_report_plots_fidelity_aga
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     peer_presses.write_report(tmp_path)
     assert (tmp_path / "fidelity_vs_budget.png").stat().st_size > 1000
+    rows[0] = {**rows[0], "texts": {**texts, "ours:full": "Paris, on the Seine, in the north of France"}}
+    split = peer_presses.report(rows, answer_tokens=lambda text: len(text.split()))  # 1 word; 9 words
+    sizes = {r["set"]: r["n"] for r in split["table"] if r["method"] == "ours:snapkv@25%"}
+    assert sizes["all: full answer within the 8-token draft"] == 2
+    assert sizes["all: full answer longer than the 8-token draft"] == 1 and sizes["all"] == 3
 
 
 @pytest.fixture
