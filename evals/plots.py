@@ -1,5 +1,6 @@
 """matplotlib figures for a run: answer and citation F1 against N, accuracy against gold position,
-fidelity (attention hit rate) against N, and fidelity against the share of the prompt kept. One line per method, 95% intervals as error bars."""
+fidelity (attention hit rate) against N, and fidelity against the share of the prompt kept. One
+line per method, 95% intervals as error bars."""
 
 from __future__ import annotations
 
