@@ -39,7 +39,6 @@ from evals.report import bootstrap_ci  # noqa: E402
 
 PRESSES = ("snapkv", "adakv", "criticaladakv", "finch", "chunkkv", "tova")
 BASELINE = "ours:snapkv"
-DRAFT = 8  # lookahead SnapKV's default drafted tokens
 GRID_QUESTIONS = 100  # evals/results/methods: --num-questions 100, seed 0
 METRICS = ("identical_to_full", "f1_vs_full", "f1")
 
@@ -150,8 +149,11 @@ def set_label(row: dict) -> str:
 def draft_label(row: dict, answer_tokens) -> str:
     """Whether the full cache's answer, with the newline that ends it, fits in lookahead's default
     draft (then the draft that votes is that whole answer) or runs past it."""
-    within = answer_tokens(row["texts"]["ours:full"]) + 1 <= DRAFT
-    return f"all: full answer {'within' if within else 'longer than'} the {DRAFT}-token draft"
+    from snapkv_rag import LookaheadSnapKVConfig
+
+    draft = LookaheadSnapKVConfig().lookahead
+    within = answer_tokens(row["texts"]["ours:full"]) + 1 <= draft
+    return f"all: full answer {'within' if within else 'longer than'} the {draft}-token draft"
 
 
 def report(rows: list[dict], answer_tokens=None) -> dict:
@@ -195,7 +197,7 @@ def against_best(groups: dict[str, list[dict]]) -> list[dict]:
             def mean(name):
                 values = [s[name]["identical_to_full"] for s in every if name in s]
                 return sum(values) / len(values)
-            presses = [n for n in names if n.startswith("kvpress:") and n.endswith(f"@{share}")]
+            presses = sorted(n for n in names if n.startswith("kvpress:") and n.endswith(f"@{share}"))  # ties: the first by name
             best = max(presses, key=mean)
             for name in sorted(n for n in names if n.startswith("ours:") and n.endswith(f"@{share}")):
                 both = [s for s in every if name in s and best in s]

@@ -129,7 +129,7 @@ def against_budget(records: Sequence[dict], metric: str, ylabel: str, path: Path
     """Fidelity against the share of the prompt kept: one panel per ``record["panel"]``, one line per
     method (its ``name@share`` records; dashed where ``dashed(name)``), each ending at the full cache
     (share 1, fidelity 1 by definition). False, and no file, when no method ran at a share."""
-    shown = [(r, share_of(r["method"])) for r in records if share_of(r["method"]) and metric in r]
+    shown = [(r, share) for r in records if metric in r and (share := share_of(r["method"]))]
     if not shown:
         return False
     panels = list(dict.fromkeys(r["panel"] for r, _ in shown))

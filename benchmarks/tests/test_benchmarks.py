@@ -255,6 +255,8 @@ def test_peer_presses_pairs_each_method_of_ours_against_kvpresss_best_press():
     assert ada["n"] == 3 and abs(ada["diff"] - (1 + 1 + 0 - (1 + 0 + 1)) / 3) < 1e-9  # prompts 1-3 only
     assert found[("nq N=10", "ours:snapkv@25%")]["diff"] == -0.75
     assert "| nq N=10 | 25% | ours:adasnapkv@25% | kvpress:snapkv@25% | 3 |" in peer_presses.markdown(peer_presses.report(rows))
+    tied = [row(0, True, True, True), row(1, False, False, False)]  # SnapKV and TOVA tie: the first by name, every run
+    assert {r["best_press"] for r in peer_presses.report(tied)["vs_best_press"]} == {"kvpress:snapkv@25%"}
 
 
 def test_peer_presses_sets_keep_the_grid_order_and_the_report_plots_fidelity_against_the_share(tmp_path):
