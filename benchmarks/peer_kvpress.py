@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +55,23 @@ class KVPressWorker:
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         return self._read()
+
+    def submit(self, requests: list[dict]):
+        """Send ``requests`` from a thread and return a function that waits for their answers, in
+        order: the worker runs them while this process does other work (one core each)."""
+        def send() -> None:
+            for request in requests:
+                self.process.stdin.write(json.dumps(request) + "\n")
+                self.process.stdin.flush()
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+
+        def answers() -> list[dict]:
+            out = [self._read() for _ in requests]
+            sender.join()
+            return out
+        return answers
 
     def close(self) -> None:
         self.process.stdin.close()

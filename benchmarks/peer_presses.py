@@ -113,13 +113,13 @@ def run_prompt(llm, worker, example, shares, args, eos, newline_ids) -> dict:
     request = llm.request(example.question, list(example.documents), "text")
     ids, length = request.input_ids, len(request.input_ids)
     budgets = {share: round(share * length) for share in shares}
-    answers, kept, selection_ms, prefill_s = our_side(llm, example, budgets, args)
     base = {"input_ids": ids, "window_size": 32, "kernel_size": 7, "max_new_tokens": args.max_new_tokens,
             "eos_ids": eos, "stop_ids": newline_ids, "question_start": length + request.spans.question,
             "delimiter_id": next(i for i in range(len(llm.tokenizer) - 1, 0, -1) if i not in set(ids))}
     peer_runs = [("full", None, length)] + [(f"{p}@{s:.0%}", p, b) for s, b in budgets.items() for p in PRESSES]
-    for name, press, budget in peer_runs:
-        out = worker.ask({**base, "press": press, "budget": budget})
+    peer = worker.submit([{**base, "press": press, "budget": budget} for _, press, budget in peer_runs])
+    answers, kept, selection_ms, prefill_s = our_side(llm, example, budgets, args)  # while kvpress runs
+    for (name, _, _), out in zip(peer_runs, peer()):
         answers[f"kvpress:{name}"] = first_line(llm.tokenizer.decode(out["tokens"], skip_special_tokens=True))
         kept[f"kvpress:{name}"] = out["kept"]
     return {"example_id": example.id, "dataset": example.dataset, "num_docs": example.num_docs,
@@ -280,7 +280,7 @@ def main() -> None:
                         help="which sets to run, in turn (default: all three); rows already written are kept")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.25], help="shares kept (0.5 0.25)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, both halves")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, both halves (they run side by side: 1 on a 2-core machine)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "peer_presses")
     parser.add_argument("--report-only", action="store_true", help="write the summary from the rows so far")
     parser.add_argument("--backfill", action="store_true", help="run only our methods that the rows so far lack "
