@@ -32,7 +32,8 @@ def methods(budget: int) -> dict:
     return {"snapkv": SnapKVConfig(max_capacity_prompt=budget), "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=budget),
             "lookahead1": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=1),
             "lookahead4": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4),
-            "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget)}
+            "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # the default: an even split
+            "lookahead_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=0.2)}  # ragged heads
 
 
 def main() -> None:

@@ -67,10 +67,11 @@ def our_configs(budget: int) -> dict:
             "snapkv_avg": SnapKVConfig(max_capacity_prompt=budget, pooling="avg"),
             "docsnapkv": DocSnapKVConfig(max_capacity_prompt=budget),
             "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=budget),
-            "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # 8 drafted tokens
-            "lookahead_even": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=1.0),  # SnapKV's bytes
-            "lookahead4": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4),
-            "lookahead1": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=1)}
+            "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # the default: 8 drafted, SnapKV's bytes
+            # head-adaptive splits (floor 0.2, ragged heads padded: more bytes), 8, 4 and 1 drafted tokens
+            "lookahead_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=0.2),
+            "lookahead4_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4, floor=0.2),
+            "lookahead1_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=1, floor=0.2)}
 
 
 def first_line(text: str) -> str:
@@ -252,7 +253,7 @@ def write_report(out: Path, tokenizer=None) -> dict:
     return summary
 
 
-PLOTTED = ("ours:snapkv", "ours:docsnapkv", "ours:adasnapkv", "ours:lookahead", "ours:lookahead_even",
+PLOTTED = ("ours:snapkv", "ours:docsnapkv", "ours:adasnapkv", "ours:lookahead", "ours:lookahead_ada",
            *(f"kvpress:{p}" for p in PRESSES))
 
 

@@ -194,12 +194,15 @@ class AdaSnapKVConfig(SnapKVConfig):
 class LookaheadSnapKVConfig(AdaSnapKVConfig):
     """Lookahead SnapKV: the observation window reaches past the prompt into the answer. Before
     compressing, the model drafts the first ``lookahead`` tokens of its greedy answer over the full
-    cache; the queries of those drafted tokens vote beside the prompt's last ``window_size`` queries
-    (head-adaptive budgets as :class:`AdaSnapKVConfig`, ``floor=1`` for an even split), then the
-    draft is dropped and the answer is decoded from the compressed cache as for any method. The
-    draft costs ``lookahead`` decode steps over the full prompt (counted in the selection time);
+    cache; the queries of those drafted tokens vote beside the prompt's last ``window_size`` queries,
+    then the draft is dropped and the answer is decoded from the compressed cache as for any method.
+    By default (``floor=1.0``) every KV head keeps the same count: the cache has SnapKV's shapes and
+    bytes at the same budget, so it decodes as fast; a lower ``floor`` shares each layer's budget
+    between its heads by vote as :class:`AdaSnapKVConfig` does (ragged heads, padded: more bytes).
+    The draft costs ``lookahead`` decode steps over the full prompt (counted in the selection time);
     sliding-window layers vote with the prompt's window alone. Not served from the prefix cache."""
 
+    floor: float = 1.0
     lookahead: int = 8
 
     method = "lookahead"

@@ -231,7 +231,8 @@ def test_lookahead_drafts_the_models_greedy_answer_and_batch_equals_single_calls
                                                                               lookahead=4), max_new_tokens=1)
     assert [tokens for tokens, _ in seen] == [greedy]  # drafted one decode step at a time over the full prompt
     monkeypatch.undo()
-    batch_equals_single(llm, partial(LookaheadSnapKVConfig, lookahead=4))
+    batch_equals_single(llm, partial(LookaheadSnapKVConfig, lookahead=4))  # the default: an even split
+    batch_equals_single(llm, partial(LookaheadSnapKVConfig, lookahead=4, floor=0.2))  # ragged heads
 
 
 def batch_equals_single(llm, method) -> None:

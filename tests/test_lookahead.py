@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapkv_rag import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig, lookahead
+from snapkv_rag import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig, lookahead
 
 from snapkv_testing import filler_documents
 
@@ -94,3 +94,17 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
         reply = httpx.post(url + "/v1/chat/completions", timeout=60, json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["snapkv"]["compression"]["method"] == "lookahead"
+
+
+def test_an_even_split_holds_snapkvs_cache_shapes_so_it_decodes_as_fast(tiny_engine):
+    """``floor=1.0``: every head keeps the same count, no slot padded, so each layer's K/V has the
+    shape (and bytes) of SnapKV's at the same budget; only which positions differ."""
+    ids = tiny_engine.request(QUESTION, DOCS, "text").input_ids
+    even = LookaheadSnapKVConfig(max_capacity_prompt=64, window_size=8, lookahead=4, floor=1.0)
+    ahead, plain = (tiny_engine.runner.prefill([ids], {"m": c}).compressed["m"][0]
+                    for c in (even, SnapKVConfig(max_capacity_prompt=64, window_size=8)))
+    assert ahead.kv_bytes() == plain.kv_bytes()
+    for layer, positions in ahead.kept_positions().items():
+        assert positions.shape == plain.kept_positions()[layer].shape and (positions >= 0).all(), layer
+        assert ahead.layers[layer].keys.shape == plain.layers[layer].keys.shape, layer
+    assert any(not torch.equal(p, plain.kept_positions()[i]) for i, p in ahead.kept_positions().items())

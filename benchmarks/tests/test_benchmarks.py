@@ -323,7 +323,7 @@ def test_peer_presses_backfill_runs_only_the_missing_methods_and_checks_the_full
     assert {n: t for n, t in filled["texts"].items() if t != "x"}.keys() == run
     assert set(filled["kept"]) == set(filled["selection_ms"]) == run
     assert peer_presses.backfill(llm, filled, example, args) is filled and len(calls) == 1  # nothing left to run
-    del filled["texts"]["ours:lookahead1@25%"]
+    del filled["texts"]["ours:lookahead1_ada@25%"]
     filled["texts"]["ours:full"] = "another answer"
     with pytest.raises(RuntimeError, match="not comparable"):
         peer_presses.backfill(llm, filled, example, args)
