@@ -109,8 +109,9 @@ def backfill(llm, row: dict, example, args) -> dict:
             "selection_ms": {**row["selection_ms"], **selection_ms}}
 
 
-def run_prompt(llm, worker, example, shares, args, eos, newline_ids) -> dict:
-    """One prompt through both halves: the row written to rows.jsonl."""
+def run_prompt(llm, workers, example, shares, args, eos, newline_ids) -> dict:
+    """One prompt through both halves (kvpress's presses dealt out between its ``workers``, all
+    running while ours run here): the row written to rows.jsonl."""
     request = llm.request(example.question, list(example.documents), "text")
     ids, length = request.input_ids, len(request.input_ids)
     budgets = {share: round(share * length) for share in shares}
@@ -118,9 +119,12 @@ def run_prompt(llm, worker, example, shares, args, eos, newline_ids) -> dict:
             "eos_ids": eos, "stop_ids": newline_ids, "question_start": length + request.spans.question,
             "delimiter_id": next(i for i in range(len(llm.tokenizer) - 1, 0, -1) if i not in set(ids))}
     peer_runs = [("full", None, length)] + [(f"{p}@{s:.0%}", p, b) for s, b in budgets.items() for p in PRESSES]
-    peer = worker.submit([{**base, "press": press, "budget": budget} for _, press, budget in peer_runs])
+    requests = [{**base, "press": press, "budget": budget} for _, press, budget in peer_runs]
+    waits = [w.submit(requests[i::len(workers)]) for i, w in enumerate(workers)]  # dealt out in turn
     answers, kept, selection_ms, prefill_s = our_side(llm, example, budgets, args)  # while kvpress runs
-    for (name, _, _), out in zip(peer_runs, peer()):
+    outs = [wait() for wait in waits]
+    for i, (name, _, _) in enumerate(peer_runs):
+        out = outs[i % len(workers)][i // len(workers)]
         answers[f"kvpress:{name}"] = first_line(llm.tokenizer.decode(out["tokens"], skip_special_tokens=True))
         kept[f"kvpress:{name}"] = out["kept"]
     return {"example_id": example.id, "dataset": example.dataset, "num_docs": example.num_docs,
@@ -282,11 +286,15 @@ def main() -> None:
     parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.25], help="shares kept (0.5 0.25)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, both halves (they run side by side: 1 on a 2-core machine)")
+    parser.add_argument("--kvpress-workers", type=int, default=1, help="kvpress processes sharing each prompt's "
+                        "presses (each loads the model; the presses are most of the work: 2 with --threads 1 on 2 cores)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "peer_presses")
     parser.add_argument("--report-only", action="store_true", help="write the summary from the rows so far")
     parser.add_argument("--backfill", action="store_true", help="run only our methods that the rows so far lack "
                         "(added since), rewriting each row as it finishes; then the report")
     args = parser.parse_args()
+    if args.kvpress_workers < 1:
+        parser.error(f"--kvpress-workers: at least 1, got {args.kvpress_workers}")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         from transformers import AutoTokenizer
@@ -322,18 +330,19 @@ def main() -> None:
     eos = sorted({llm.tokenizer.eos_token_id, *([eos_config] if isinstance(eos_config, int) else eos_config or [])}
                  - {None})
     newline_ids = [i for i in range(len(llm.tokenizer)) if "\n" in llm.tokenizer.decode([i])]
-    worker = KVPressWorker(args.kvpress_python, model_dir, args.threads)
+    workers = [KVPressWorker(args.kvpress_python, model_dir, args.threads) for _ in range(args.kvpress_workers)]
     try:
         for example in examples(args.prompts, tuple(args.sets)):
             if example.id in done:
                 continue
-            row = run_prompt(llm, worker, example, args.shares, args, eos, newline_ids)
+            row = run_prompt(llm, workers, example, args.shares, args, eos, newline_ids)
             with rows_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             done.add(example.id)
             print(f"{len(done)}: {example.id} ({row['prompt_tokens']} tokens) done", flush=True)
     finally:
-        worker.close()
+        for worker in workers:
+            worker.close()
     print(markdown(write_report(args.out, llm.tokenizer)))
 
 
