@@ -135,12 +135,22 @@ def write_csv(records: Sequence[dict], path: Path) -> None:
 
 
 def collect_rows(out: Path) -> list[dict]:
-    """``out/rows.jsonl``, or the rows of every ``out/*/rows.jsonl`` (runs split into parallel
-    processes, one folder each, report together)."""
+    """``out/rows.jsonl``, or the rows of every ``out/*/rows.jsonl``: runs split into processes, one
+    folder each, by cells or by methods, report together. A prompt's method found in two folders
+    (each run has its own ``full``) is counted once; the two must have given the same answer."""
     paths = [out / "rows.jsonl"] if (out / "rows.jsonl").exists() else sorted(out.glob("*/rows.jsonl"))
     if not paths:
         raise SystemExit(f"no rows.jsonl in {out} or its subfolders: run the evals first")
-    rows = [r for p in paths for r in read_rows(p)]
+    rows, seen = [], {}
+    for path in paths:
+        for row in read_rows(path):
+            key = (row["example_id"], row["method"])
+            if key not in seen:
+                seen[key] = (path, row)
+                rows.append(row)
+            elif seen[key][1].get("text") != row.get("text"):
+                raise SystemExit(f"{key[0]}, {key[1]}: {seen[key][0].parent.name} and {path.parent.name} hold different "
+                                 f"answers (different settings or code): they cannot be reported together")
     if not rows:
         raise SystemExit(f"{out} has no rows yet")
     return rows

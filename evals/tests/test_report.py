@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from evals.plots import against_budget, share_of
-from evals.report import add_paired_deltas, aggregate
+from evals.report import add_paired_deltas, aggregate, collect_rows
 
 
 def _row(example: str, method: str, f1: float) -> dict:
@@ -37,3 +41,20 @@ def test_fidelity_is_plotted_against_the_share_kept_only_for_methods_run_at_a_sh
     tokens = [c | {"method": c["method"].replace("%", "")} for c in cells]  # token budgets only: nothing to draw
     assert not against_budget(tokens, "identical_to_full", "same answer", tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_runs_split_by_methods_report_together_with_each_prompts_full_cache_once(tmp_path):
+    def run(folder: str, rows: list[dict]) -> None:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    full = [_row(f"e{i}", "full", 0.5) | {"text": f"answer {i}"} for i in range(3)]
+    run("old", full + [_row(f"e{i}", "snapkv@25%", 0.4) | {"text": "x"} for i in range(3)])
+    run("new", full[:2] + [_row(f"e{i}", "lookahead@25%", 0.5) | {"text": "y"} for i in range(2)])
+    rows = collect_rows(tmp_path)
+    assert sorted((r["example_id"], r["method"]) for r in rows if r["method"] == "full") == [
+        ("e0", "full"), ("e1", "full"), ("e2", "full")]
+    assert len(rows) == 3 + 3 + 2
+    run("odd", [full[0] | {"text": "another answer"}])
+    with pytest.raises(SystemExit, match="e0, full: new and odd hold different answers"):
+        collect_rows(tmp_path)
