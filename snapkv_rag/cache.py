@@ -234,11 +234,12 @@ class _Compressor:
             self.cache.capture(layer_idx, query, keys, values)
         if layer.prefix is not None:  # the cached prefix's last queries, then the new ones (observation window)
             query = torch.cat([layer.prefix.queries, query], dim=-2)
+        memo: dict = {}  # this layer's KVzip scores, shared by the methods that differ only in budget
         for name, method in self.methods.items():
             begin = _clock(keys)
             if isinstance(method, KVzipConfig) and method.share != "head" and layer.spec.window is None:  # ranked at the end
                 self.ranked.setdefault(name, {})[layer_idx] = reread_layer_scores(
-                    method, layer_idx, len(self.cache.specs), query, keys, values, vote_keys, scoring, self.reread)
+                    method, layer_idx, len(self.cache.specs), query, keys, values, vote_keys, scoring, self.reread, memo)
                 rows = [None]
             elif isinstance(method, KVzipConfig):
                 rows = compress_reread_layer(method, layer.spec, layer_idx, len(self.cache.specs), query, keys,
@@ -373,18 +374,22 @@ def compress_reread_layer(method, spec: LayerSpec, layer_idx: int, num_layers: i
 
 def reread_layer_scores(method, layer_idx: int, num_layers: int, query: torch.Tensor,
                         keys: torch.Tensor, values: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring,
-                        reread: int) -> tuple:
+                        reread: int, memo: dict) -> tuple:
     """One full-attention layer under KVzip with a shared budget, before the ranking: ``(prefix scores
     [1, H_kv or 1, n] or None when the prompt fits the layer's budget, keys, values, window, the
-    positions an even split would keep outside the window)``."""
+    positions an even split would keep outside the window)``. The scores of settings already in
+    ``memo`` (the layer's, from another budget) are reused: they do not depend on the budget."""
     length = keys.shape[-2] - reread
     budget = method.budget_for_layer(layer_idx, num_layers)
     k, v = keys[:, :, :length], values[:, :, :length]
     if length <= budget:
         return None, k, v, 0, 0
     window = min(method.window_size, length)
-    prefix = compression.kvzip_scores(query[:, :, length:], vote_keys, length, method,
-                                      shared=vote_keys.shape != keys.shape, **scoring.as_kwargs())
+    settings = (method.window_size, method.kernel_size, method.pooling, method.chunk, method.sink_tokens)
+    if settings not in memo:
+        memo[settings] = compression.kvzip_scores(query[:, :, length:], vote_keys, length, method,
+                                                  shared=vote_keys.shape != keys.shape, **scoring.as_kwargs())
+    prefix = memo[settings]
     return prefix, k, v, window, prefix.shape[1] * (budget - window)
 
 

@@ -154,6 +154,19 @@ def test_kvzip_beside_other_methods_leaves_them_as_alone(tiny_engine):
     assert both.results["kvzip"].compression.kept_tokens[0] == 64
 
 
+def test_kvzip_at_several_budgets_in_one_pass_keeps_what_each_keeps_alone(tiny_engine):
+    """Budgets of the same settings share each layer's re-read scores; other settings get their own."""
+    ids = tiny_engine.request("Which harbour lies north?", filler_documents(4), "text").input_ids
+    methods = {f"{b}{sinks}": KVzipConfig(max_capacity_prompt=b, window_size=8, sink_tokens=sinks)
+               for b in (48, 96) for sinks in (0, 4)}
+    both = tiny_engine.runner.prefill([ids], methods).compressed
+    for name, config in methods.items():
+        alone = tiny_engine.runner.prefill([ids], {name: config}).compressed[name][0].kept_positions()
+        assert all(torch.equal(alone[i], p) for i, p in both[name][0].kept_positions().items()), name
+    first, second = (both[n][0].kept_positions() for n in ("480", "484"))
+    assert any(not torch.equal(first[i], second[i]) for i in first)  # the sinks did change what is kept
+
+
 @pytest.mark.parametrize("family", ["lfm2", "qwen3-next", "falcon-h1", "zamba2"])
 def test_kvzip_on_models_with_recurrent_layers_keeps_the_states_after_the_prompt(family, tokenizer):
     """The re-read pass runs the recurrent states on through the re-read; the states a request
