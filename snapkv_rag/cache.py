@@ -377,8 +377,7 @@ def reread_layer_scores(method, layer_idx: int, num_layers: int, query: torch.Te
                         reread: int, memo: dict) -> tuple:
     """One full-attention layer under KVzip with a shared budget, before the ranking: ``(prefix scores
     [1, H_kv or 1, n] or None when the prompt fits the layer's budget, keys, values, window, the
-    positions an even split would keep outside the window)``. The scores of settings already in
-    ``memo`` (the layer's, from another budget) are reused: they do not depend on the budget."""
+    positions an even split would keep outside the window)``; scores already in ``memo`` reused."""
     length = keys.shape[-2] - reread
     budget = method.budget_for_layer(layer_idx, num_layers)
     k, v = keys[:, :, :length], values[:, :, :length]
