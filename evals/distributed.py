@@ -45,9 +45,9 @@ class Worker:
         return [self.llm.prompt_tokens(question, documents) for question, documents in items]
 
     def compare(self, question: str, documents: list, configs: dict, max_new_tokens: int, stop: list,
-                cite: str = "text") -> Any:
+                cite: str = "text", together: bool = False) -> Any:
         return self.llm.compare(question, documents, methods=configs, hit_rate=True, max_new_tokens=max_new_tokens,
-                                stop=stop, cite=cite)
+                                stop=stop, cite=cite, together=together)
 
 
 def _doc_key(question: str, documents: Sequence) -> tuple:
@@ -158,7 +158,8 @@ class RayPool:
                         configs, _, _ = plans[runner.cell_key(todo[i])]
                         ref = self.actors[a].compare.remote(todo[i].question, list(todo[i].documents), configs,
                                                             max_new_tokens, list(stop),
-                                                            settings.get("citations") or "text")
+                                                            settings.get("citations") or "text",
+                                                            bool(settings.get("batch_methods")))
                         running[ref] = (i, a)
                         load[a] += 1
                 [ref], _ = self.ray.wait([*running, *pings], num_returns=1)

@@ -162,7 +162,8 @@ def append_rows(f, rows: Sequence[dict]) -> None:
 def run(llm: Any, examples: Sequence[Example], specs: Sequence[MethodSpec], out: Path, *, settings: dict,
         max_new_tokens: int, stop: Sequence[str], resume: bool = True, progress: bool = True) -> Path:
     """Run every example not yet in ``out/rows.jsonl``; returns the rows path. ``settings["citations"]``
-    ``"json"`` runs the engine's cited-answer mode (``cite="json"``)."""
+    ``"json"`` runs the engine's cited-answer mode (``cite="json"``); ``settings["batch_methods"]`` decodes a
+    prompt's methods as rows of one batch."""
     path, todo, plans = pending(llm, examples, specs, out, settings=settings, max_new_tokens=max_new_tokens,
                                 resume=resume)
     bar = _progress(len(examples), len(examples) - len(todo), progress)
@@ -171,7 +172,8 @@ def run(llm: Any, examples: Sequence[Example], specs: Sequence[MethodSpec], out:
             configs, budgets, mean_tokens = plans[cell_key(example)]
             comparison = llm.compare(example.question, list(example.documents), methods=configs, hit_rate=True,
                                      max_new_tokens=max_new_tokens, stop=list(stop),
-                                     cite=settings.get("citations") or "text")
+                                     cite=settings.get("citations") or "text",
+                                     together=bool(settings.get("batch_methods")))
             append_rows(f, example_rows(example, comparison, budgets, mean_tokens, settings))
             bar.update(1)
     bar.close()

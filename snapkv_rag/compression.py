@@ -46,22 +46,23 @@ def attention_probs(query: torch.Tensor, key_states: torch.Tensor, attention_mas
     q_len = query.shape[-2]
     grouped = _group_queries(query, h_kv).float()
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    logits = torch.matmul(grouped, key_states.float().unsqueeze(2).transpose(-1, -2)) * scale
+    # in place from here on (the same values as out of place): these are the largest tensors of a selection
+    logits = torch.matmul(grouped, key_states.float().unsqueeze(2).transpose(-1, -2)).mul_(scale)
     if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    q_pos = torch.arange(length - q_len, length, device=query.device)
-    k_pos = torch.arange(length, device=query.device)
-    allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, q, L]
+        logits.div_(softcap).tanh_().mul_(softcap)
+    first = length - q_len  # every query sees the keys before the first query; only the last q_len are causal
+    q_pos = torch.arange(q_len, device=query.device)
+    logits[..., first:].masked_fill_(q_pos[None, :] > q_pos[:, None], NEG_INF)
     if attention_mask is not None:
         real = attention_mask.to(device=query.device, dtype=torch.bool)
-        allowed = allowed & real[:, None, :]  # [B, q, L]
-    logits = logits.masked_fill(~allowed[:, None, None], NEG_INF)
+        logits.masked_fill_(~real[:, None, None, None, :], NEG_INF)
     if sinks is not None:  # one extra logit per query head, sharing the softmax, then dropped
         sink = sinks.float().reshape(1, h_kv, -1, 1, 1).expand(*logits.shape[:-1], 1)
         probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-        return torch.nan_to_num(probs, nan=0.0)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.nan_to_num(probs, nan=0.0)  # a padded query sees no real key: all -inf -> zeros
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    # a padded query sees no real key: all -inf -> NaN -> zeros (without padding every query sees key 0)
+    return probs.nan_to_num_(nan=0.0) if attention_mask is not None or sinks is not None else probs
 
 
 def snapkv_votes(query_window: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -75,6 +75,19 @@ def test_resume_refuses_changed_settings(tmp_path, tiny):
         main([*args, "--max-new-tokens", "3"], engine=tiny)
 
 
+def test_batched_methods_give_the_answers_and_hit_rates_of_one_at_a_time(tmp_path, tiny):
+    args = ["--datasets", "kv", "--num-docs", "6", "--gold-positions", "first,last", "--num-questions", "2",
+            "--methods", "full,snapkv@48,h2o@48,streaming@50%,adasnapkv@50%", "--max-new-tokens", "4",
+            "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "alone")], engine=tiny) == 0
+    assert main([*args, "--batch-methods", "--out", str(tmp_path / "batched")], engine=tiny) == 0
+    assert _stable(tmp_path / "batched") == _stable(tmp_path / "alone")
+    assert len(_stable(tmp_path / "alone")) == 4 * 5
+    assert json.loads((tmp_path / "batched" / "run.json").read_text())["batch_methods"] is True
+    # the flag changes timings, not answers: a run started one way resumes the other
+    assert main([*args, "--out", str(tmp_path / "alone")], engine=tiny) == 0
+
+
 def test_cli_end_to_end_writes_tables_and_plots(tmp_path, tiny):
     out = tmp_path / "run"
     argv = ["--datasets", "nq,musique,kv", "--num-docs", "4", "--num-docs", "musique=5", "--gold-positions",
