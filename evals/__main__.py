@@ -99,7 +99,7 @@ def parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     p.add_argument("--no-resume", dest="resume", action="store_false", help="start over instead of continuing "
                    "the rows already in --out (resuming is the default)")
     p.add_argument("--batch-methods", action="store_true", help="decode each prompt's methods as rows of one "
-                   "batch (on 2 CPU cores about 1.2x faster for 21 methods; the answers are those of one at a time, "
+                   "batch (about 1.2x faster for 21 methods on one CPU thread; the answers are those of one at a time, "
                    "since batches equal single calls, but ms/tok is then the batch's step time)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--report-only", action="store_true", help="only (re)write the tables and plots from "
