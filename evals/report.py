@@ -24,7 +24,10 @@ METRICS = {  # column -> (label, bootstrap CI?)
     "identical_to_full": ("same as full", True), "f1_vs_full": ("F1 vs full", True), "hit_rate": ("hit rate", True),
     "kept_tokens": ("kept tok", False), "kv_bytes_kept": ("KV MB", False), "prefill_s": ("prefill s", False),
     "decode_ms_per_token": ("ms/tok", False), "prompt_tokens": ("prompt tok", False),
+    "same_minus_snapkv": ("same as full - SnapKV's (paired)", True),
+    "f1_vs_full_minus_snapkv": ("F1 vs full - SnapKV's (paired)", True),
 }
+AGAINST_SNAPKV = ("identical_to_full", "same_minus_snapkv", "f1_vs_full", "f1_vs_full_minus_snapkv", "kv_bytes_kept")
 TABLE_COLUMNS = ("f1", "f1_minus_full", "subspan_em", "cit_f1", "identical_to_full", "f1_vs_full", "hit_rate",
                  "kept_tokens", "kv_bytes_kept", "prefill_s", "decode_ms_per_token")
 
@@ -64,11 +67,20 @@ def bootstrap_ci(values: Sequence[float], resamples: int = 1000, seed: int = 0) 
 def add_paired_deltas(rows: Sequence[dict]) -> None:
     """Give each row ``f1_minus_full``: its answer F1 minus the full cache's on the same prompt.
     Every method runs on the same prompts, so this difference's interval is the paired one, much
-    narrower than comparing two groups' means; prompts without a full-cache row get none."""
+    narrower than comparing two groups' means; prompts without a full-cache row get none. Rows of
+    ``KIND@B`` also get their fidelity minus ``snapkv@B``'s on the same prompt, where that was run."""
     full = {r["example_id"]: r["f1"] for r in rows if r["method"] == "full"}
     for r in rows:
         if r["example_id"] in full:
             r["f1_minus_full"] = r["f1"] - full[r["example_id"]]
+    # every other method against SnapKV at the same budget (``KIND@25%`` against ``snapkv@25%``), prompt by prompt
+    snapkv = {(r["example_id"], r["method"].partition("@")[2]): r for r in rows
+              if r["method"].partition("@")[0] == "snapkv" and "@" in r["method"]}
+    for r in rows:
+        ref = snapkv.get((r["example_id"], r["method"].partition("@")[2])) if "@" in r["method"] else None
+        if ref is not None and ref is not r and r.get("identical_to_full") is not None:
+            r["same_minus_snapkv"] = r["identical_to_full"] - ref["identical_to_full"]
+            r["f1_vs_full_minus_snapkv"] = r["f1_vs_full"] - ref["f1_vs_full"]
 
 
 def aggregate(rows: Sequence[dict], keys: Sequence[str]) -> list[dict]:
@@ -193,6 +205,11 @@ def write_all(out: Path) -> None:
         "the kept prompt cache per prompt; budget is tokens kept per layer.", "",
         *(line for note in data_notes(out, rows) for line in (note, "")),
         "## By dataset and method (all N and positions)", "", markdown_table(overall, ("dataset", "method")), "",
+        *(["## Paired against SnapKV at the same budget (all N and positions)", "",
+            "Each method's fidelity minus SnapKV's on the same prompts at the same budget; an interval above 0 "
+            "keeps the full cache's answer measurably more often than SnapKV. KV MB shows what each keeps.", "",
+            markdown_table([r for r in overall if "same_minus_snapkv" in r], ("dataset", "method"), AGAINST_SNAPKV),
+            ""] if any("same_minus_snapkv" in r for r in rows) else []),
         "## By dataset, N and method (all gold positions)", "", markdown_table(by_n, ("dataset", "num_docs", "method")),
         "", "## By dataset, gold position and method (all N)", "",
         markdown_table(by_position, ("dataset", "gold_position", "method")), "",

@@ -30,6 +30,20 @@ def test_paired_difference_is_taken_prompt_by_prompt():
     assert snap["f1_hi"] > ref["f1_lo"]
 
 
+def test_methods_are_paired_against_snapkv_at_their_own_budget_prompt_by_prompt():
+    same = {"snapkv@25%": [1, 0, 0, 1], "snapkv@50%": [1, 1, 1, 1], "lookahead@25%": [1, 1, 0, 1],
+            "lookahead@50%": [0, 1, 1, 1], "lookahead@512": [1, 1, 1, 1]}
+    rows = [_row(f"e{i}", method, 0.5) | {"identical_to_full": float(v), "f1_vs_full": float(v)}
+            for method, values in same.items() for i, v in enumerate(values)]
+    add_paired_deltas(rows)
+    by_method = {r["method"]: r for r in aggregate(rows, ("dataset", "method"))}
+    assert by_method["lookahead@25%"]["same_minus_snapkv"] == pytest.approx(0.25)  # one prompt more, none less
+    assert by_method["lookahead@50%"]["same_minus_snapkv"] == pytest.approx(-0.25)  # against snapkv@50%, not @25%
+    assert by_method["lookahead@25%"]["same_minus_snapkv_lo"] >= 0.0
+    # no SnapKV at that budget, and SnapKV itself: nothing to pair with
+    assert "same_minus_snapkv" not in by_method["lookahead@512"] and "same_minus_snapkv" not in by_method["snapkv@25%"]
+
+
 def test_fidelity_is_plotted_against_the_share_kept_only_for_methods_run_at_a_share(tmp_path):
     assert share_of("snapkv@25%") == ("snapkv", 0.25) and share_of("ours:lookahead@50%") == ("ours:lookahead", 0.5)
     assert share_of("snapkv@1024") is None and share_of("full") is None and share_of("x@half%") is None
