@@ -79,9 +79,11 @@ def stream_in_thread(url: str, folder: Path, max_tokens: int, ignore_eos: bool =
 
 
 def refused(url: str) -> bool:
+    """Whether the server turns a new request away: the connection refused, or (while it closes its
+    listening socket) accepted and closed again without a response."""
     try:
         httpx.get(url + "/health", timeout=1)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
         return True
     return False
 
