@@ -96,6 +96,23 @@ def grouped_sdpa(module, query, key, value, mask, scaling):
     return out.reshape(b, 1, heads, value.shape[-1]), None
 
 
+def grouped_tail_sdpa(module, query, key, value, mask, scaling):
+    """A few queries over a cached prefix on the CPU (lookahead's draft passes, a question's tail):
+    torch's SDPA with grouped heads (``enable_gqa``) under the model's mask, where transformers would
+    copy every KV head once per query head it serves (it keeps grouped heads for unmasked calls).
+    Returns ``[B, Q, H, D]`` as transformers expects."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling if scaling is not None else module.scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _grouped_tail(base: str, layer, query, key, value, mask, kwargs: dict) -> bool:
+    """Whether a prompt pass can take :func:`grouped_tail_sdpa`: SDPA on the CPU, over a cached
+    prefix, grouped KV heads, the model's mask given, nothing but plain attention asked for."""
+    return (base == "sdpa" and query.device.type == "cpu" and layer.prefix is not None and mask is not None
+            and key.shape[1] != query.shape[1] and _plain(kwargs, query[..., :1, :], key, value))
+
+
 def _plain(kwargs: dict, query, key, value) -> bool:
     """Whether a decode step can take :func:`grouped_sdpa` (no soft-cap, sinks or dropout; one query)."""
     return (not kwargs.get("softcap") and kwargs.get("s_aux") is None and not kwargs.get("dropout")
@@ -109,7 +126,9 @@ def _make_wrapper(base: str):
         layer = cache.layers[index] if cache is not None else None
         if isinstance(layer, PromptLayer):  # the prompt: attend as the model does, then compress
             stored = _over_stored(layer, query, base)
-            if stored is None:
+            if stored is None and _grouped_tail(base, layer, query, key, value, attention_mask, kwargs):
+                output = grouped_tail_sdpa(module, query, key, value, attention_mask, kwargs.get("scaling"))
+            elif stored is None:
                 output = _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
             else:
                 function = _base_function("sdpa" if base == "flash_attention_2" else base, module)

@@ -199,7 +199,8 @@ class LookaheadSnapKVConfig(AdaSnapKVConfig):
     By default (``floor=1.0``) every KV head keeps the same count: the cache has SnapKV's shapes and
     bytes at the same budget, so it decodes as fast; a lower ``floor`` shares each layer's budget
     between its heads by vote as :class:`AdaSnapKVConfig` does (ragged heads, padded: more bytes).
-    The draft costs ``lookahead`` decode steps over the full prompt (counted in the selection time);
+    The draft costs at most ``lookahead`` passes over the full prompt, fewer where its next tokens
+    are guessed right from the prompt or the model's earlier drafts (counted in the selection time);
     sliding-window layers vote with the prompt's window alone. Not served from the prefix cache."""
 
     floor: float = 1.0

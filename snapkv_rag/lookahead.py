@@ -12,9 +12,11 @@ The request path, top to bottom (:func:`prefill`):
 
 1. the prompt runs once, compressed under the other methods of the call, its whole K/V and last
    queries kept in a :class:`~snapkv_rag.prefix_cache.Capture` (and its recurrent states copied);
-2. :func:`draft_and_vote`: greedy tokens over that whole prompt, one decode step each (each
-   step's K/V joining what the next sees), the step of the last one selecting every attention
-   layer by :func:`select_layer` from the prompt's window and the draft's queries together.
+2. :func:`draft_and_vote`: greedy tokens over that whole prompt, each pass's K/V joining what the
+   next sees; a pass runs the next token and a guess at those after it (:func:`guess`), keeping the
+   guessed tokens the pass itself predicts, so that a copied phrase costs one pass, not one per
+   token; then every attention layer is selected by :func:`select_layer` from the prompt's window
+   and the draft's queries together.
 
 A layer keeps what head-adaptive SnapKV keeps on the prompt with the draft appended, its window
 widened by the draft and its budget by as many slots, less the draft's own positions: the same
@@ -24,9 +26,11 @@ window alone (the draft sits beyond what their share of the prompt ends at).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from typing import Any, Mapping
+import weakref
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -37,6 +41,8 @@ from .prefix_cache import Capture, Prefix, PrefixLayer
 
 WHOLE = "\0whole"
 """The internal name of the full cache a call without any other method still needs for its prefill."""
+PAST_DRAFTS: "weakref.WeakKeyDictionary[Any, collections.deque]" = weakref.WeakKeyDictionary()
+"""Per runner its last 64 drafts, where :func:`guess` looks after the prompt (only speed depends on them)."""
 
 
 def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
@@ -68,48 +74,88 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
     return dataclasses.replace(first, compressed=compressed, prefill_s=first.prefill_s + spent)
 
 
-def draft_and_vote(runner, prefix: Prefix, first: int, count: int, methods: Mapping[str, LookaheadSnapKVConfig]
-                   ) -> tuple[list[int], dict[str, list[Compressed]]]:
+def draft_and_vote(runner, prefix: Prefix, first: int, count: int, methods: Mapping[str, LookaheadSnapKVConfig],
+                   speculate: bool = True) -> tuple[list[int], dict[str, list[Compressed]]]:
     """The model's greedy answer over the whole prompt ``prefix``, from its ``first`` token: at most
-    ``count`` tokens, ending early at an end-of-sequence token. One token per step, each step's K/V
-    joining what the next one sees (a decode step over the full prompt); the step of the last
-    drafted token selects every attention layer under every method by :func:`select_layer`, from
-    the prompt's window and the draft's queries. The recurrent layers step copies of the prompt's
-    states; the kept cache gets the states after the prompt, not after the draft.
-    Returns the drafted tokens and, per method, its compressed cache."""
+    ``count`` tokens, ending early at an end-of-sequence token; then every attention layer selected
+    under every method by :func:`select_layer`, from the prompt's window and the draft's queries.
+
+    Each pass runs the next drafted token over the prompt and the draft so far, followed (with
+    ``speculate``, on a model without recurrent layers) by a guess at the tokens after it
+    (:func:`guess`: from the prompt, which a RAG answer often copies, or from the model's earlier
+    drafts, kept per runner in :data:`PAST_DRAFTS`). A guessed token is kept, with its K/V and its queries, only while
+    each one is the token the pass itself predicts there (greedy, so the draft is the one a pass
+    per token drafts); the pass's prediction after the last kept token is the next token. A wrong
+    guess costs only its share of the pass; without any, there is one pass per drafted token.
+    The recurrent layers step copies of the prompt's states; the kept cache gets the states after
+    the prompt, not after the draft. Returns the drafted tokens and, per method, its compressed cache."""
     specs, length = runner.specs, prefix.length
     cache = tails.with_states(PromptCache(runner.model.config, specs, prefix), prefix.states)
-    out = {name: [Compressed(m, specs, [None] * len(specs), length)] for name, m in methods.items()}
-    queries: list[list[torch.Tensor]] = [[] for _ in specs]  # per layer, the draft's queries so far
-    tokens, last = [first], [False]
+    speculate = speculate and not any(state is not None for state in prefix.states)  # a state can't be rolled back
+    queries: list[list[torch.Tensor]] = [[] for _ in specs]  # per layer, the kept draft tokens' queries
+    staged: dict[int, tuple] = {}  # per attention layer, its (query, keys, values, vote_keys, scoring) this pass
 
     def hook(layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
         layer = cache.layers[layer_idx]
-        keys, values = layer.pending
-        queries[layer_idx].append(query)
+        staged[layer_idx] = (query, *layer.pending, vote_keys, scoring)
         layer.pending = None
-        if not last[0]:  # the next step runs over the prompt and the draft so far
-            layer.prefix, layer.prefix_length = PrefixLayer(keys, values, prefix.layers[layer_idx].queries), length + len(tokens)
-            return
-        query = torch.cat([prefix.layers[layer_idx].queries, *queries[layer_idx]], dim=-2)  # the window, then the draft
-        for name, method in methods.items():
-            out[name][0].layers[layer_idx] = select_layer(method, layer.spec, layer_idx, len(specs), query, keys, values,
-                                                          vote_keys, scoring, length, min(len(tokens), method.lookahead))
-        layer.done = True
 
     cache.compress = hook
+    tokens, fed = [first], 0  # the drafted tokens; how many of them have run
     with runner.lock, torch.inference_mode(), runner._sliced():
-        while True:
-            last[0] = len(tokens) == count or tokens[-1] in runner.eos_ids
-            at = length + len(tokens) - 1
-            logits = runner._forward(torch.tensor([[tokens[-1]]], device=runner.device), None,
-                                     torch.tensor([[at]], device=runner.device), cache)
-            if last[0]:
-                break
-            tokens.append(int(logits[0].argmax()))
-    for (kept,) in out.values():  # the states after the prompt, not after the draft
-        tails.place_states(kept.layers, prefix.states, copies=True)
-    return tokens, out
+        past = PAST_DRAFTS.setdefault(runner, collections.deque(maxlen=64))
+        while fed < count and (fed == 0 or tokens[fed - 1] not in runner.eos_ids):
+            ids = tokens[fed:]
+            if speculate and ids[0] not in runner.eos_ids:
+                ids += guess(prefix.ids, tokens, count - fed - 1, list(reversed(past)))
+            logits = runner._forward(torch.tensor([ids], device=runner.device), None,
+                                     torch.arange(length + fed, length + fed + len(ids), device=runner.device)[None],
+                                     cache, at=list(range(len(ids))))
+            predicted = logits[0].argmax(-1).tolist()
+            kept = 1  # the first token was predicted by the pass before (or by the prompt)
+            while kept < len(ids) and ids[kept] == predicted[kept - 1] and ids[kept - 1] not in runner.eos_ids:
+                kept += 1
+            fed += kept
+            tokens = tokens[:fed - kept] + ids[:kept] + [predicted[kept - 1]]
+            for i, (query, keys, values, vote_keys, scoring) in staged.items():
+                layer = cache.layers[i]
+                queries[i].append(query[..., :kept, :])
+                keys, values, vote_keys = (t[..., :length + fed, :] for t in (keys, values, vote_keys))
+                layer.prefix, layer.prefix_length = PrefixLayer(keys, values, prefix.layers[i].queries), length + fed
+                staged[i] = (keys, values, vote_keys, scoring)
+        past.append(tokens[:fed])
+    out = {name: [Compressed(m, specs, [None] * len(specs), length)] for name, m in methods.items()}
+    for i, (keys, values, vote_keys, scoring) in staged.items():  # the window, then the draft
+        query = torch.cat([prefix.layers[i].queries, *queries[i]], dim=-2)
+        for name, method in methods.items():
+            out[name][0].layers[i] = select_layer(method, specs[i], i, len(specs), query, keys, values, vote_keys,
+                                                  scoring, length, min(fed, method.lookahead))
+        cache.layers[i].done = True
+    for (kept_cache,) in out.values():  # the states after the prompt, not after the draft
+        tails.place_states(kept_cache.layers, prefix.states, copies=True)
+    return tokens[:fed], out
+
+
+def guess(prompt: Sequence[int], draft: list[int], most: int, past: Sequence[list[int]] = ()) -> list[int]:
+    """Up to ``most`` tokens to try after ``draft``, the answer drafted so far after ``prompt``: what
+    followed the latest earlier occurrence of the last three tokens of the prompt and the draft (a
+    RAG answer often copies a document; shorter matches there are mostly chance); failing that,
+    what followed the draft's last tokens (three, two, then one) in ``past``, earlier drafts of the
+    same model, latest first (answers to one prompt template tend to start alike). ``[]`` when
+    nothing matches. No model: a search in the ids."""
+    if most <= 0:
+        return []
+    text = [*prompt, *draft]
+    tail = text[-3:]
+    for start in range(len(text) - len(tail) - 1, -1, -1):
+        if text[start] == tail[0] and text[start:start + len(tail)] == tail:
+            return text[start + len(tail):start + len(tail) + most]
+    for n in range(min(3, len(draft)), 0, -1):
+        for earlier in past:
+            for start in range(len(earlier) - n - 1, -1, -1):
+                if earlier[start:start + n] == draft[-n:]:
+                    return earlier[start + n:start + n + most]
+    return []
 
 
 def select_layer(method: LookaheadSnapKVConfig, spec, layer_idx: int, num_layers: int, query: torch.Tensor,

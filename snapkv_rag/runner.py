@@ -323,13 +323,17 @@ class Runner:
             self._steps[key] = step
         return step
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache, at: int | None = None) -> torch.Tensor:
-        """The next-token logits ``[B, V]`` after the last position (or after position ``at``)."""
+    def _forward(self, input_ids, attention_mask, position_ids, cache, at: int | list[int] | None = None) -> torch.Tensor:
+        """The next-token logits ``[B, V]`` after the last position (or after position ``at``; after
+        each of a list of positions: ``[B, len(at), V]``)."""
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   self.cache_kwarg: cache, "use_cache": True, attention.CACHE_KWARG: cache}
         if self.keep_last:
-            kwargs["logits_to_keep"] = 1 if at is None else torch.tensor([at], device=input_ids.device)
+            kwargs["logits_to_keep"] = 1 if at is None else torch.tensor(at if isinstance(at, list) else [at],
+                                                                         device=input_ids.device)
         logits = self.model(**kwargs).logits
+        if isinstance(at, list):
+            return logits if self.keep_last else logits[:, at, :]
         return logits[:, -1, :] if self.keep_last or at is None else logits[:, at, :]
 
 

@@ -108,3 +108,48 @@ def test_an_even_split_holds_snapkvs_cache_shapes_so_it_decodes_as_fast(tiny_eng
         assert positions.shape == plain.kept_positions()[layer].shape and (positions >= 0).all(), layer
         assert ahead.layers[layer].keys.shape == plain.layers[layer].keys.shape, layer
     assert any(not torch.equal(p, plain.kept_positions()[i]) for i, p in ahead.kept_positions().items())
+
+
+def test_guess_is_what_followed_the_last_three_tokens_in_the_prompt_or_the_draft_in_earlier_drafts():
+    prompt = (5, 6, 7, 8, 9, 4, 6, 7, 1, 2, 3, 4)
+    assert lookahead.guess(prompt, [6, 7], most=3) == [1, 2, 3]  # the latest "4 6 7", not the first "6 7"
+    assert lookahead.guess(prompt, [6, 7], most=1) == [1]
+    assert lookahead.guess(prompt, [9, 6], most=3) == []  # "4 9 6" never occurs: shorter matches are chance
+    past = [[9, 6, 5, 5], [1, 9, 6, 2, 8], [6, 1]]  # latest first
+    assert lookahead.guess(prompt, [9, 6], most=3, past=past) == [5, 5]  # the first earlier draft with "9 6"
+    assert lookahead.guess(prompt, [3, 1], most=3, past=past) == [9, 6, 2]  # no "3 1": the last token alone
+    assert lookahead.guess(prompt, [6, 7], most=0, past=past) == [] and lookahead.guess(prompt, [0], 3, past) == []
+
+
+@pytest.mark.parametrize("right, passes", [(4, [4]), (1, [4, 2]), (0, [4, 3, 2, 1])])
+def test_guessed_tokens_count_only_while_the_pass_predicts_them(tiny_engine, monkeypatch, right, passes):
+    """Speculating changes how many passes the draft takes, never the draft or what is kept: guesses
+    whose first ``right`` tokens are the greedy draft's, the rest wrong; ``passes``: the tokens each
+    draft pass runs (the next token, then the guesses)."""
+    ids = tiny_engine.request(QUESTION, DOCS, "text").input_ids
+    real, drafts = lookahead.draft_and_vote, []
+    monkeypatch.setattr(lookahead, "draft_and_vote",
+                        lambda *args: drafts.append(real(*args, speculate=False)) or drafts[-1])
+    one_by_one = kept(tiny_engine, ids, AHEAD)
+    draft = drafts[0][0]
+    assert len(draft) == 4 and lookahead.PAST_DRAFTS[tiny_engine.runner][-1] == draft  # for later guesses
+
+    def guess(prompt, so_far, most, past):
+        wanted = draft[len(so_far):len(so_far) + most]
+        return wanted[:right] + [(token + 1) % 100 for token in wanted[right:]]
+
+    runner, lengths = tiny_engine.runner, []
+    forward = runner._forward
+
+    def counting(tokens, mask, positions, *rest, **kw):  # the passes after the prompt
+        if int(positions[0, 0]) >= len(ids):
+            lengths.append(tokens.shape[-1])
+        return forward(tokens, mask, positions, *rest, **kw)
+
+    monkeypatch.setattr(runner, "_forward", counting)
+    monkeypatch.setattr(lookahead, "draft_and_vote", lambda *args: drafts.append(real(*args)) or drafts[-1])
+    monkeypatch.setattr(lookahead, "guess", guess)
+    guessed = kept(tiny_engine, ids, AHEAD)
+    assert drafts[-1][0] == draft and lengths == passes
+    for layer, positions in one_by_one.items():
+        assert torch.equal(guessed[layer], positions), layer
