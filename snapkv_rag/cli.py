@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the budget between the documents by the votes they get); adasnapkv: head-adaptive SnapKV (the layer's budget "
                         "shared between its heads by vote); lookahead: head-adaptive SnapKV whose votes also come from the first "
                         "8 tokens of the answer, drafted over the full cache first (the best kept answers at small budgets, "
-                        "8 more passes' cost); keynorm: the shortest keys, "
+                        "at most 8 more passes' cost); keynorm: the shortest keys, "
                         "whatever the question; kvzip: what the model attends to when it re-reads the prompt, "
                         "whatever the question (a second prefill's cost) (default snapkv)")
     common.add_argument("--window", type=int, default=None, help="observation window (default 32)")
