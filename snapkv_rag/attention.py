@@ -110,13 +110,18 @@ def _grouped_tail(base: str, layer, query, key, value, mask, kwargs: dict) -> bo
     """Whether a prompt pass can take :func:`grouped_tail_sdpa`: SDPA on the CPU, over a cached
     prefix, grouped KV heads, the model's mask given, nothing but plain attention asked for."""
     return (base == "sdpa" and query.device.type == "cpu" and layer.prefix is not None and mask is not None
-            and key.shape[1] != query.shape[1] and _plain(kwargs, query[..., :1, :], key, value))
+            and key.shape[1] != query.shape[1] and _grouped_heads(kwargs, query, key, value))
+
+
+def _grouped_heads(kwargs: dict, query, key, value) -> bool:
+    """Plain attention (no soft-cap, sinks or dropout) whose query heads share KV heads evenly."""
+    return (not kwargs.get("softcap") and kwargs.get("s_aux") is None and not kwargs.get("dropout")
+            and query.shape[1] % key.shape[1] == 0 and key.shape[-1] == value.shape[-1])
 
 
 def _plain(kwargs: dict, query, key, value) -> bool:
-    """Whether a decode step can take :func:`grouped_sdpa` (no soft-cap, sinks or dropout; one query)."""
-    return (not kwargs.get("softcap") and kwargs.get("s_aux") is None and not kwargs.get("dropout")
-            and query.shape[-2] == 1 and query.shape[1] % key.shape[1] == 0 and key.shape[-1] == value.shape[-1])
+    """Whether a decode step can take :func:`grouped_sdpa` (plain grouped attention; one query)."""
+    return query.shape[-2] == 1 and _grouped_heads(kwargs, query, key, value)
 
 
 def _make_wrapper(base: str):

@@ -94,6 +94,7 @@ def draft_and_vote(runner, prefix: Prefix, first: int, count: int, methods: Mapp
     speculate = speculate and not any(state is not None for state in prefix.states)  # a state can't be rolled back
     queries: list[list[torch.Tensor]] = [[] for _ in specs]  # per layer, the kept draft tokens' queries
     staged: dict[int, tuple] = {}  # per attention layer, its (query, keys, values, vote_keys, scoring) this pass
+    held: dict[int, tuple] = {}  # per attention layer, its (keys, values, vote_keys, scoring) over the kept tokens
 
     def hook(layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
         layer = cache.layers[layer_idx]
@@ -122,10 +123,10 @@ def draft_and_vote(runner, prefix: Prefix, first: int, count: int, methods: Mapp
                 queries[i].append(query[..., :kept, :])
                 keys, values, vote_keys = (t[..., :length + fed, :] for t in (keys, values, vote_keys))
                 layer.prefix, layer.prefix_length = PrefixLayer(keys, values, prefix.layers[i].queries), length + fed
-                staged[i] = (keys, values, vote_keys, scoring)
+                held[i] = (keys, values, vote_keys, scoring)
         past.append(tokens[:fed])
     out = {name: [Compressed(m, specs, [None] * len(specs), length)] for name, m in methods.items()}
-    for i, (keys, values, vote_keys, scoring) in staged.items():  # the window, then the draft
+    for i, (keys, values, vote_keys, scoring) in held.items():  # the window, then the draft
         query = torch.cat([prefix.layers[i].queries, *queries[i]], dim=-2)
         for name, method in methods.items():
             out[name][0].layers[i] = select_layer(method, specs[i], i, len(specs), query, keys, values, vote_keys,
