@@ -24,6 +24,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import transformers
+from packaging.version import Version
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
@@ -36,6 +38,21 @@ _KNOWN_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv
 _SUPPORTED = ("full attention, sliding window attention, multi-head latent attention, recurrent / conv state "
               "layers (Mamba, linear attention, short convolutions), hybrid attention + Mamba layers and "
               "MLP-only layers")
+
+
+ONE_PASS_FROM = Version("5.17")
+"""The transformers version from which a multi-token pass over a cache is known to continue the stored
+recurrent states (the conv input after the stored one, the SSM scan from the stored state)."""
+ONE_PASS = Version(Version(transformers.__version__).base_version) >= ONE_PASS_FROM
+
+STATE_RESTARTS = {
+    "jamba": "Jamba's Mamba layers start the SSM scan of a multi-token pass from zeros, not from the cached "
+             "state (transformers' modeling_jamba: only a one-token step continues it)",
+}
+"""Model types whose modeling code, on the installed transformers, does not continue a cached recurrent
+state through a multi-token pass, with the reason. Checked against a token-by-token continuation for
+every hybrid family the tests build (``tests/test_split_prefill.py``), so that a transformers release
+that changes either way fails there."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,22 @@ def layer_specs(config, model=None) -> list[LayerSpec]:
     return [LayerSpec(NONE) if i < len(types) and types[i] in ("mlp", "moe")  # (older 5.x: a state layer, left empty)
             else _spec(layers[i] if i < len(layers) else DynamicLayer(), text, model_type, i)
             for i in range(text.num_hidden_layers)]
+
+
+def state_break(config, specs: list[LayerSpec]) -> str | None:
+    """Why a multi-token pass over a cache would not continue this model's recurrent / conv states, so
+    that a prompt must not be prefilled in pieces (``None``: it has no such state, or continues it). One
+    place for every path that splits a prompt: the prefix cache, a question over a stored document set,
+    lookahead's draft."""
+    if not any(spec.state for spec in specs):
+        return None
+    model_type = getattr(config, "model_type", type(config).__name__)
+    if model_type in STATE_RESTARTS:
+        return STATE_RESTARTS[model_type]
+    if not ONE_PASS:
+        return (f"transformers {transformers.__version__} is not known to continue a recurrent state through a "
+                f"multi-token pass (checked from {ONE_PASS_FROM})")
+    return None
 
 
 def _spec(layer, text, model_type: str, index: int) -> LayerSpec:

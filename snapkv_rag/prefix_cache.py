@@ -19,8 +19,8 @@ Multi-head latent attention is cached as its latents (what the model's cache hol
 the keys the model expands from them over the whole prompt). Recurrent and hybrid layers: the
 conv / SSM states at the prefix's end are stored too; a whole-prompt prefill does not pass through
 that point, so a prompt whose prefix is stored runs in two passes (the prefix, kept; then the rest
-from it, as on a hit), where transformers continues a state through a multi-token pass
-(:data:`snapkv_rag.tails.ONE_PASS`; else they are not cached). Not cached (a full prefill, said
+from it, as on a hit), where the model continues a state through a multi-token pass
+(:func:`snapkv_rag.layer_kinds.state_break`; else they are not cached, and the log says why). Not cached (a full prefill, said
 once in the log): H2O, which votes with every prompt query.
 
 Entries are immutable: stored as clones, and a hit concatenates them with the new tokens' K/V
@@ -118,11 +118,14 @@ def boundary(input_ids: Sequence[int], spans) -> int | None:
     return at if 0 < at < len(input_ids) else None
 
 
-def unsupported(specs: Sequence[LayerSpec], states: bool = False) -> str | None:
-    """Why a model's prompts cannot be reused from a prefix (``None``: they can). ``states``: a
-    prompt's rest can run on from stored recurrent states in one pass (:data:`snapkv_rag.tails.ONE_PASS`)."""
+def unsupported(specs: Sequence[LayerSpec], state_break: str | None = "no multi-token continuation") -> str | None:
+    """Why a model's prompts cannot be reused from a prefix (``None``: they can). ``state_break``: why
+    a prompt's rest cannot run on from stored recurrent states in one pass
+    (:func:`snapkv_rag.layer_kinds.state_break`; ``None``: it can)."""
+    if state_break is not None and any(spec.state for spec in specs):
+        return f"its recurrent layers cannot be continued: {state_break}"
     for i, spec in enumerate(specs):
-        if (spec.state and not states) or spec.kind not in (FULL, SLIDING, LATENT, NONE, RECURRENT):
+        if spec.kind not in (FULL, SLIDING, LATENT, NONE, RECURRENT):
             return (f"layer {i} is {spec.kind}{' with a recurrent state' if spec.state else ''}: a prefix cache "
                     "reuses plain attention K/V only")
     return None

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import attention, lookahead, prefix_cache, tails
+from . import attention, layer_kinds, lookahead, prefix_cache, tails
 from .cache import Compressed, PromptCache, compressing, layer_specs
 from .config import KVzipConfig, LookaheadSnapKVConfig
 from .prefix_cache import PrefixCache
@@ -102,7 +102,10 @@ class Runner:
         self._pool = None
         self._eager_logged = False
         self.repeat_ids: tuple[int, ...] = ()  # KVzip's repeat instruction, tokenized (set by the engine)
-        self.one_pass_tail = tails.ONE_PASS  # a tail over stored recurrent states in one pass (else stepwise)
+        # why a multi-token pass cannot continue this model's recurrent states (None: it can): then no
+        # prompt is split at a cached prefix, and a tail over stored states runs one token per step
+        self.state_break = layer_kinds.state_break(model.config, self.specs)
+        self.one_pass_tail = self.state_break is None
         self.attach()
 
     def attach(self) -> None:
@@ -220,7 +223,7 @@ class Runner:
         store = self.prefix_cache
         if boundary is None or store is None or not store.enabled or len(prompts) != 1:
             return None, None
-        why = prefix_cache.unsupported(self.specs, states=self.one_pass_tail)
+        why = prefix_cache.unsupported(self.specs, self.state_break)
         if why is None and any(isinstance(m, KVzipConfig) for m in methods.values()):
             why = "KVzip re-reads the whole prompt in its own pass"
         needed = prefix_cache.queries_needed(methods)

@@ -5,11 +5,11 @@ recurrent states (KVzip's re-read on a model with recurrent layers).
 A tail over a stored set runs on top of the stored kept K/V at the positions it has in the whole
 prompt, and is kept whole (:func:`tail_hook`). On a model with recurrent layers (Mamba, linear
 attention, short convolutions; hybrid layers) the tail starts from copies of the stored states
-(:func:`with_states`). transformers 5.17 and 5.24 continue a state through a multi-token pass
-(the conv input after the stored one, the SSM scan from it), so from :data:`ONE_PASS_FROM` the tail
-is one pass; older versions were not checked, so there the tail goes one token per step
-(:func:`stepwise_tail`: a one-token step is how every version decodes from a state), the attention
-layers seeing the stored slots and the tail so far.
+(:func:`with_states`). Where the model continues a state through a multi-token pass
+(:func:`snapkv_rag.layer_kinds.state_break` is ``None``: most families from transformers 5.17) the tail
+is one pass; elsewhere (Jamba, older transformers) it goes one token per step (:func:`stepwise_tail`: a
+one-token step is how every model decodes from a state), the attention layers seeing the stored slots
+and the tail so far.
 """
 
 from __future__ import annotations
@@ -18,16 +18,10 @@ import copy
 from typing import Callable, Sequence
 
 import torch
-import transformers
-from packaging.version import Version
 from transformers.cache_utils import LinearAttentionLayer
 
 from .cache import LayerKV, PromptCache, PromptLayer, move_state
-
-ONE_PASS_FROM = Version("5.17")
-"""The transformers version from which a multi-token pass is known to continue stored recurrent states
-(checked on 5.17 and 5.24: ``tests/test_recurrent_tail.py``)."""
-ONE_PASS = Version(Version(transformers.__version__).base_version) >= ONE_PASS_FROM
+from .layer_kinds import ONE_PASS, ONE_PASS_FROM  # noqa: F401 (where the tests read them)
 
 
 def tail_hook(cache, layers: Sequence[LayerKV | None], length: int, total: int):

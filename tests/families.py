@@ -6,6 +6,11 @@ from __future__ import annotations
 import torch
 import transformers
 
+SLOW_DECAY = -4.0
+"""``A_log`` of every SSM / linear-attention layer: ``A = -exp(-4)`` lets a state carry over hundreds of
+tokens, as trained models' do. Random init (``A_log`` ~ log(1..16)) forgets within a few tokens, and a
+test of a state carried across a split prompt then has no power."""
+
 SLIDING = 96  # windows longer than the test budget (64), so sliding layers get compressed inside them
 SHORT_SLIDING = 48  # a window whose share (47) is under the budget: kept whole, never more
 
@@ -103,8 +108,11 @@ def tiny_model(name: str, vocab_size: int, dtype: torch.dtype = torch.float32, s
     config = config_class(**settings)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if class_name == "GptOssConfig":  # sinks start at zero: give them weight so that they matter
-        with torch.no_grad():
+    with torch.no_grad():
+        if class_name == "GptOssConfig":  # sinks start at zero: give them weight so that they matter
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.0)
+        for name, parameter in model.named_parameters():
+            if name.endswith("A_log"):
+                parameter.fill_(SLOW_DECAY)
     return model.eval()
