@@ -8,7 +8,9 @@ actor's process dies, Ray restarts it (the model loads again) and the driver sen
 had in flight again: every prompt's rows are written exactly once. The driver never loads the model:
 prompt lengths (for the per-cell budgets and the needle haystacks) come from the actors.
 
-Ray is imported only here, and this module only when ``--ray`` is given. The ``evals`` package
+Bare ``--ray`` starts a one-machine cluster with every Ray port on loopback
+(:mod:`snapkv_rag.ray_local`); a cluster joined with ``--ray auto|ADDRESS`` is its operator's to
+secure. Ray is imported only here, and this module only when ``--ray`` is given. The ``evals`` package
 travels to the cluster with the job (Ray's ``py_modules``, without its data and results folders);
 the workers need ``snapkv-rag`` and Ray installed, like the driver.
 """
@@ -21,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from snapkv_rag import ray_local
 
 from . import runner
 from .datasets import Example
@@ -69,10 +73,9 @@ class RayPool:
         runtime_env = {"py_modules": [str(package)], "excludes": ["/data/", "/results/", "__pycache__/"]}
         self.started = not ray.is_initialized()
         if self.started:
-            if address == "local":
+            if address == "local":  # Ray's ports on loopback: nothing beyond this machine needs them
                 cpus = os.cpu_count() or 1
-                ray.init(num_cpus=max(cpus, workers or 0), include_dashboard=False, runtime_env=runtime_env,
-                         object_store_memory=256 * 2**20, log_to_driver=False)
+                ray_local.start(num_cpus=max(cpus, workers or 0), runtime_env=runtime_env, log_to_driver=False)
             else:
                 try:
                     ray.init(address=address, runtime_env=runtime_env)
@@ -94,6 +97,9 @@ class RayPool:
             self.close()
             raise SystemExit(f"--model/--device/--dtype: the Ray actors could not load the model: "
                              f"{str(cause).strip().splitlines()[-1]}") from None
+        exposed = ray_local.exposure_warning() if self.started and address == "local" else None
+        if exposed:
+            print(f"ray: warning: {exposed}", file=sys.stderr, flush=True)
         self.context_window = min(i["context_window"] for i in self.infos)
         self.device = self.infos[0]["device"]
         self._lengths: dict[tuple, int] = {}

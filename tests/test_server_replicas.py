@@ -26,10 +26,11 @@ QUESTIONS = [f"Which river is number {i}?" for i in range(8)]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tokenizer):
+    from snapkv_rag import ray_local
     from snapkv_rag.server.protocol import ServerSettings
     from snapkv_rag.server.replicas import application
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray_local.start(num_cpus=4, log_to_driver=False)  # as serve --replicas starts it: Ray's ports on loopback
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

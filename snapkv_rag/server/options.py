@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=None, metavar="K", help="run K engines as Ray Serve replicas "
                         "behind the same routes, one GPU each where there are GPUs (needs the ray extra; default: one "
                         "engine in this process, no Ray)")
-    parser.add_argument("--ray-address", default=None, help="with --replicas: the Ray cluster to join (default: start "
-                        "a local one)")
+    parser.add_argument("--ray-address", default=None, help="with --replicas: the Ray cluster to join, as it is: who "
+                        "can reach its ports is its operator's trust boundary (default: $RAY_ADDRESS, else start one "
+                        "here with Ray's ports on 127.0.0.1)")
 
 
 def is_loopback(host: str) -> bool:

@@ -20,9 +20,11 @@ As an application of its own: ``serve.run(application({"model": ...}, ServerSett
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
+from .. import ray_local
 from .protocol import ServerSettings
 
 REPLICA_HEADER = b"x-snapkv-replica"
@@ -73,9 +75,24 @@ def application(engine_options: dict, settings: ServerSettings, replicas: int, g
     return deployment.bind(engine_options, settings)
 
 
+def _start_ray(args) -> bool:
+    """Join the cluster of ``--ray-address`` (or ``$RAY_ADDRESS``: a Ray job's), whose exposure is
+    its operator's to decide, or start one on this machine with every Ray port on loopback, since
+    nothing beyond this machine needs them (only Ray Serve's HTTP proxy listens on ``--host``).
+    Returns whether the cluster was started here."""
+    import ray
+
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return False
+    ray_local.start(logging_level=logging.WARNING)
+    return True
+
+
 def run(engine_options: dict, settings: ServerSettings, args) -> int:
-    """Start Ray (``--ray-address``, or a local cluster), serve the replicas on ``--host:--port``
-    until SIGTERM or Ctrl-C, then shut Ray Serve down."""
+    """Start Ray (``--ray-address``, or a local cluster on loopback), serve the replicas on
+    ``--host:--port`` until SIGTERM or Ctrl-C, then shut Ray Serve and Ray down."""
     import torch
 
     try:
@@ -84,12 +101,15 @@ def run(engine_options: dict, settings: ServerSettings, args) -> int:
     except ImportError as error:
         raise ValueError(f"--replicas: needs Ray Serve ({error}); install the ray extra: pip install "
                          "'snapkv-rag[ray]'") from None
-    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    started = _start_ray(args)
     gpus = 1 if torch.cuda.is_available() else 0
     serve.start(http_options={"host": args.host, "port": args.port})
     quiet = {"log_level": "INFO" if args.verbose else "WARNING", "enable_access_log": args.verbose}
     serve.run(application(engine_options, settings, args.replicas, gpus), name="snapkv-rag", route_prefix="/",
               logging_config=quiet)
+    exposed = ray_local.exposure_warning(meant=[args.port]) if started else None  # the proxy is on --host
+    if exposed:
+        log.warning("%s", exposed)
     log.warning("serving %r on http://%s:%d/v1 from %d Ray Serve replicas (%s)", settings.model_name, args.host,
                 args.port, args.replicas, "one GPU each" if gpus else "CPU")
     stop = threading.Event()
@@ -99,7 +119,9 @@ def run(engine_options: dict, settings: ServerSettings, args) -> int:
     finally:
         for sig, handler in stops.items():
             signal.signal(sig, handler)
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            serve.shutdown()  # drains the replicas' requests
+        finally:
+            ray.shutdown()  # a cluster started here goes with it: GCS, raylet, workers, agents
     log.warning("stopped")
     return 0
