@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.tokens, args.questions, args.max_new_tokens = 400, 2, 4
 
-    from snapkv_rag import KeyNormConfig, SnapKVLLM, loading
+    from snapkv_rag import KeyNormConfig, SnapKVLLM
+    from snapkv_rag.models import loading
 
     method = KeyNormConfig(ratio=args.ratio)
     loaded = loading.load(None)

@@ -1,5 +1,5 @@
 """What one pass of lookahead SnapKV's draft costs with several tokens in it, against a one-token
-pass, over a prompt's whole cache: with grouped heads (``snapkv_rag.attention.grouped_tail_sdpa``,
+pass, over a prompt's whole cache: with grouped heads (``snapkv_rag.runtime.attention.grouped_tail_sdpa``,
 the CPU default for a pass over a cached prefix) and with transformers' own masked SDPA (each KV
 head copied once per query head it serves), interleaved, in one run.
 
@@ -34,9 +34,11 @@ def main() -> None:
     import torch
 
     from evals.datasets import nq_examples
-    from snapkv_rag import SnapKVLLM, attention, lookahead, tails
-    from snapkv_rag.cache import PromptCache
-    from snapkv_rag.prefix_cache import Capture
+    from snapkv_rag import SnapKVLLM
+    from snapkv_rag.runtime import attention, draft as lookahead
+    from snapkv_rag.kv import tails
+    from snapkv_rag.kv.prompt_cache import PromptCache
+    from snapkv_rag.kv.prefix_cache import Capture
 
     llm = SnapKVLLM()
     runner, records, grouped = llm.runner, [], attention._grouped_tail

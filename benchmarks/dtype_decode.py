@@ -63,7 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from snapkv_rag import SnapKVLLM, loading
+    from snapkv_rag import SnapKVLLM
+    from snapkv_rag.models import loading
 
     fp32 = SnapKVLLM(dtype="float32")
     bf16 = SnapKVLLM(model=loading.load(None, device="cpu", dtype="bfloat16").model, tokenizer=fp32.tokenizer)

@@ -52,7 +52,7 @@ def word_tokenizer(words: int = 2000):
 
 def rag_ids(tokenizer, instruction: str, question: str, docs: list[str]) -> list[int]:
     """The token ids the engine will feed for ``question`` over ``docs``."""
-    from snapkv_rag.prompts import rag_user_message, to_documents
+    from snapkv_rag.request.prompts import rag_user_message, to_documents
 
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": rag_user_message(question, to_documents(docs), instruction)}],

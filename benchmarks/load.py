@@ -87,7 +87,7 @@ def tiny_model_dir(scratch: Path, family: str | None = None) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from snapkv_rag import loading
+    from snapkv_rag.models import loading
 
     tokenizer = AutoTokenizer.from_pretrained(loading.default_model_dir())
     torch.manual_seed(0)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "systems": {}, "ended": "running"}
     with tempfile.TemporaryDirectory(prefix="load-bench-") as scratch_name:
         scratch = Path(scratch_name)
-        from snapkv_rag import loading
+        from snapkv_rag.models import loading
 
         tiny = args.quick or args.model_family is not None
         model_dir = tiny_model_dir(scratch, args.model_family) if tiny else Path(args.model or loading.default_model_dir())

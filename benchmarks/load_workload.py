@@ -61,7 +61,7 @@ def ours_body(request: RagRequest, model: str, new_tokens: int) -> dict:
 
 def rendered_user_turn(request: RagRequest, instruction: str | None = None) -> str:
     """The RAG user turn our engine builds (documents, instruction, question)."""
-    from snapkv_rag.prompts import DEFAULT_INSTRUCTION, rag_user_message, to_documents
+    from snapkv_rag.request.prompts import DEFAULT_INSTRUCTION, rag_user_message, to_documents
 
     return rag_user_message(request.question, to_documents(list(request.documents)), instruction or DEFAULT_INSTRUCTION)
 

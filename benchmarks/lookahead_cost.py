@@ -8,7 +8,7 @@ alternate which method goes first. Printed per prompt size: each method's time (
 median over rounds, summed over the prompts) and its ratio to SnapKV's, and for the lookahead
 methods the mean number of draft passes per prompt; the figures go to ``--out`` as JSON.
 ``lookahead_one_by_one`` is the default lookahead with its guessing off (one pass per drafted
-token, :func:`snapkv_rag.lookahead.draft_and_vote`'s ``speculate=False``): what the guesses save.
+token, :func:`snapkv_rag.runtime.draft.draft_and_vote`'s ``speculate=False``): what the guesses save.
 The guesses also look in the model's earlier drafts: before the timed prompts, lookahead runs on
 ``--warm`` other NQ questions (5 passages each), and every timed run starts from exactly those
 drafts (never from a draft of its own prompt, which a later round would otherwise find).
@@ -62,7 +62,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from evals.datasets import nq_examples
-    from snapkv_rag import SnapKVLLM, lookahead
+    from snapkv_rag import SnapKVLLM
+    from snapkv_rag.runtime import draft as lookahead
 
     llm = SnapKVLLM(args.model) if args.model else SnapKVLLM()
     runner, records = llm.runner, []

@@ -45,7 +45,7 @@ def our_rows(path: Path) -> dict:
 
 def peer_rows(llm, worker, group, budgets, max_new_tokens: int, eos) -> list[dict]:
     """kvpress's rows of one group: its full cache, then each press at each budget."""
-    from snapkv_rag import prefix_cache
+    from snapkv_rag.kv import prefix_cache
 
     requests = [llm.request(q.question, group.documents) for q in group.questions]
     at = prefix_cache.boundary(requests[0].input_ids, requests[0].spans)
@@ -114,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from snapkv_rag import SnapKVLLM
-    from snapkv_rag.loading import default_model_dir
+    from snapkv_rag.models.loading import default_model_dir
 
     ours = our_rows(args.ours)
     finished = {key[0] for key in ours}

@@ -94,7 +94,7 @@ def main() -> None:
 
     import torch
     from snapkv_rag import SnapKVConfig, SnapKVLLM
-    from snapkv_rag.loading import default_model_dir
+    from snapkv_rag.models.loading import default_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)

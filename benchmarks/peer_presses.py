@@ -299,14 +299,14 @@ def main() -> None:
     if args.report_only:
         from transformers import AutoTokenizer
 
-        from snapkv_rag.loading import default_model_dir
+        from snapkv_rag.models.loading import default_model_dir
 
         print(markdown(write_report(args.out, AutoTokenizer.from_pretrained(args.model or default_model_dir()))))
         return
 
     import torch
     from snapkv_rag import SnapKVLLM
-    from snapkv_rag.loading import default_model_dir
+    from snapkv_rag.models.loading import default_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)

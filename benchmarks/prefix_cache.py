@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.tokens, args.questions, args.max_new_tokens = 400, 2, 4
 
-    from snapkv_rag import SnapKVLLM, loading
+    from snapkv_rag import SnapKVLLM
+    from snapkv_rag.models import loading
 
     loaded = loading.load(None)
     plain = SnapKVLLM(model=loaded.model, tokenizer=loaded.tokenizer, prefix_cache_bytes=0)

@@ -33,7 +33,7 @@ def records() -> tuple[dict, ...]:
 def prompt_ids(tokenizer, question: str, documents: list[dict[str, str]], instruction: str | None = None) -> list[int]:
     """The token ids of the prompt the engine builds: the RAG user turn through the chat template
     (what a peer must be fed to answer the very same prompt)."""
-    from snapkv_rag.prompts import DEFAULT_INSTRUCTION, rag_user_message, to_documents
+    from snapkv_rag.request.prompts import DEFAULT_INSTRUCTION, rag_user_message, to_documents
 
     content = rag_user_message(question, to_documents(documents), instruction or DEFAULT_INSTRUCTION)
     messages = [{"role": "user", "content": content}]

@@ -18,8 +18,8 @@ import time
 import torch
 
 from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, PromptSpans, SnapKVConfig
-from snapkv_rag.adaptive import ada_snapkv_select
-from snapkv_rag.compression import select
+from snapkv_rag.methods.adaptive import ada_snapkv_select
+from snapkv_rag.methods.selection import select
 
 
 def spans_for(tokens: int, documents: int, tail: int = 60, head: int = 30) -> PromptSpans:

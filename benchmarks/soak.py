@@ -168,7 +168,7 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="soak-") as scratch_name:
         scratch = Path(scratch_name)
-        from snapkv_rag import loading
+        from snapkv_rag.models import loading
 
         if args.quick:
             import load

@@ -150,7 +150,8 @@ def engine_ms_per_step(llm, chosen: list, tokens: int) -> float:
 def measure(args, shape: dict) -> dict:
     from transformers import AutoTokenizer
 
-    from snapkv_rag import SnapKVLLM, loading
+    from snapkv_rag import SnapKVLLM
+    from snapkv_rag.models import loading
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or loading.default_model_dir())
     ours, theirs = build_model(len(tokenizer), shape["layers"]), build_model(len(tokenizer), shape["layers"])

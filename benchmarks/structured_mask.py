@@ -38,8 +38,8 @@ SCHEMA = {"type": "object", "properties": {
 def run_decode(llm, request, tokens: int, constraint=None) -> float:
     """Decode up to ``tokens`` tokens of ``request`` (held to ``constraint``, if given) through the
     scheduler; the median ms of its decode steps."""
-    from snapkv_rag.sampling import SamplingOptions
-    from snapkv_rag.scheduler import Outcome
+    from snapkv_rag.runtime.sampling import SamplingOptions
+    from snapkv_rag.runtime.scheduler import Outcome
 
     request = dataclasses.replace(request, constraint=constraint)
     ticket = llm.scheduler.submit(request, SamplingOptions(max_new_tokens=tokens), [], None)
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from snapkv_rag import SnapKVLLM
-    from snapkv_rag.structured import apply_masks
+    from snapkv_rag.request.structured import apply_masks
 
     llm = SnapKVLLM(snapkv=False)
     prompt = build_prompt(llm.tokenizer, args.prompt_tokens)

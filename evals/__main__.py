@@ -93,7 +93,7 @@ def parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
                    "{\"answer\": str, \"citations\": [1..N]} with its own instruction, no stop string; answer "
                    "metrics on the answer field (default: text)")
     p.add_argument("--instruction", default=None, help="the RAG instruction placed before the question (default: "
-                   "snapkv_rag.prompts.DEFAULT_INSTRUCTION)")
+                   "snapkv_rag.request.prompts.DEFAULT_INSTRUCTION)")
     p.add_argument("--out", type=Path, default=None, help="output folder for rows.jsonl, summary.md/.csv, plots/ "
                    "and command.txt (default: runs/evals/<preset or custom>)")
     p.add_argument("--no-resume", dest="resume", action="store_false", help="start over instead of continuing "
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None, engine=None, make_engine=None, prog: str
         return 0
 
     from . import datasets, methods, synthetic, userdata
-    from snapkv_rag.prompts import DEFAULT_INSTRUCTION
+    from snapkv_rag.request.prompts import DEFAULT_INSTRUCTION
 
     names = _csv(args.datasets)
     known = (*datasets.DATASETS, *synthetic.SYNTHETIC)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None, engine=None, make_engine=None, prog: str
               + (f", {data.without_gold} without gold (no citation metrics)" if data.without_gold else ""))
     instruction = args.instruction if args.instruction is not None else DEFAULT_INSTRUCTION
     if args.citations == "json":
-        from snapkv_rag.cited import CITE_INSTRUCTION
+        from snapkv_rag.request.cited import CITE_INSTRUCTION
         if args.instruction is not None:
             raise SystemExit("--instruction: not with --citations json, whose instruction asks for the JSON")
         instruction = CITE_INSTRUCTION

@@ -9,7 +9,7 @@ had in flight again: every prompt's rows are written exactly once. The driver ne
 prompt lengths (for the per-cell budgets and the needle haystacks) come from the actors.
 
 Bare ``--ray`` starts a one-machine cluster with every Ray port on loopback
-(:mod:`snapkv_rag.ray_local`); a cluster joined with ``--ray auto|ADDRESS`` is its operator's to
+(:mod:`snapkv_rag.server.ray_local`); a cluster joined with ``--ray auto|ADDRESS`` is its operator's to
 secure. Ray is imported only here, and this module only when ``--ray`` is given. The ``evals`` package
 travels to the cluster with the job (Ray's ``py_modules``, without its data and results folders);
 the workers need ``snapkv-rag`` and Ray installed, like the driver.
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from snapkv_rag import ray_local
+from snapkv_rag.server import ray_local
 
 from . import runner
 from .datasets import Example

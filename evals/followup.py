@@ -81,9 +81,11 @@ def question_one_set(llm, documents: Sequence[dict], question: str, ratio: float
     """A document handle whose cache SnapKV chose with ``question`` as the observation window: the
     whole question tail votes (window = tail), ``ceil(ratio x documents' tokens)`` document positions
     are kept per head, and the tail itself is dropped so that any later question can follow."""
-    from snapkv_rag import SnapKVConfig, prefix_cache
-    from snapkv_rag.cache import LayerKV
-    from snapkv_rag.doc_store import DocumentSet, Stored, entry_key, identity
+    from snapkv_rag import SnapKVConfig
+    from snapkv_rag.kv import prefix_cache
+    from snapkv_rag.kv.prompt_cache import LayerKV
+    from snapkv_rag.documents.store import DocumentSet
+    from snapkv_rag.documents.stored import Stored, entry_key, identity
 
     request = llm.request(question, documents)
     ids = request.input_ids
@@ -109,7 +111,8 @@ def question_one_set(llm, documents: Sequence[dict], question: str, ratio: float
 
 def handles(llm, group: Group, ratio: float, methods: Sequence[str] = REUSED) -> dict[str, tuple[Any, float]]:
     """Each of ``methods``' handle on ``group``'s documents and the seconds it took to build."""
-    from snapkv_rag import KeyNormConfig, KVzipConfig, StreamingLLMConfig, prefix_cache
+    from snapkv_rag import KeyNormConfig, KVzipConfig, StreamingLLMConfig
+    from snapkv_rag.kv import prefix_cache
 
     probe = llm.request(group.questions[0].question, group.documents)
     budget = math.ceil(ratio * prefix_cache.boundary(probe.input_ids, probe.spans))

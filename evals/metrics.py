@@ -14,7 +14,7 @@ import string
 from collections import Counter
 from typing import Iterable, Sequence
 
-from snapkv_rag.prompts import strip_citations
+from snapkv_rag.request.prompts import strip_citations
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)

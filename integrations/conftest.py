@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from snapkv_rag import SnapKVLLM
-from snapkv_rag.loading import default_model_dir
+from snapkv_rag.models.loading import default_model_dir
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 

@@ -7,9 +7,13 @@ import torch and transformers until the engine is asked for.
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+try:
+    __version__ = metadata.version("snapkv-rag")
+except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 _WHERE = {
     "SnapKVLLM": "engine", "ContextLengthError": "engine", "GenerationOutOfMemoryError": "engine",
@@ -18,9 +22,9 @@ _WHERE = {
     "LookaheadSnapKVConfig": "config",
     "KeyNormConfig": "config", "KVzipConfig": "config",
     "PromptSpans": "config",
-    "Document": "prompts", "parse_citations": "prompts",
-    "GenerationResult": "results", "CompressionStats": "results", "Timings": "results", "Usage": "results",
-    "ModelLoadError": "loading", "SchemaError": "structured",
+    "Document": "request.prompts", "parse_citations": "request.prompts",
+    "GenerationResult": "request.results", "CompressionStats": "request.results", "Timings": "request.results", "Usage": "request.results",
+    "ModelLoadError": "models.loading", "SchemaError": "request.structured",
 }
 __all__ = list(_WHERE)
 
@@ -38,10 +42,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from .config import (AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PromptSpans, PyramidKVConfig, RandomConfig, SnapKVConfig,
-                         StreamingLLMConfig)
+    from .config import AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PromptSpans, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
     from .engine import ContextLengthError, GenerationOutOfMemoryError, SnapKVLLM
-    from .loading import ModelLoadError
-    from .prompts import Document, parse_citations
-    from .results import CompressionStats, GenerationResult, Timings, Usage
-    from .structured import SchemaError
+    from .models.loading import ModelLoadError
+    from .request.prompts import Document, parse_citations
+    from .request.results import CompressionStats, GenerationResult, Timings, Usage
+    from .request.structured import SchemaError

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .config import AdaSnapKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig
-from .files import DOC_SUFFIXES, DocumentFileError, collect_documents
+from .request.files import DOC_SUFFIXES, DocumentFileError, collect_documents
 from .server import options as serve_options
 
 DEMO_FILE = Path(__file__).with_name("data") / "demo.jsonl"
@@ -197,7 +197,7 @@ def cmd_serve(args) -> int:
     settings = _compression(args)
     base = config or _snapkv(settings["budget"], settings)
     if args.replicas:  # each Ray Serve replica loads its own engine
-        from .loading import DEFAULT_MODEL_NAME
+        from .models.loading import DEFAULT_MODEL_NAME
         from .server import replicas
 
         _check_new_tokens(args)

@@ -3,7 +3,7 @@
 Most methods keep, per (batch row, KV head), the same number of prompt positions, so the
 compressed cache is an ordinary dense tensor of shape [B, H_kv, C, D] (head-adaptive SnapKV and
 KVzip's shared budget are ragged: padded, their empty slots masked). The methods differ only in
-how they score the prefix positions; the selection itself lives in :mod:`snapkv_rag.compression`.
+how they score the prefix positions; the selection itself lives in :mod:`snapkv_rag.methods.selection`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class PromptSpans:
     ``-n`` is the first of ``n`` tokens): ``documents`` one ``(start, stop)`` per document, in
     order, ``stop`` exclusive and ``<= 0``; ``question`` where the question starts. Counted from the
     end, they hold unchanged for any slice of the prompt that ends where it ends (a sliding layer's
-    window, a left-padded row). Built by :func:`snapkv_rag.text.encode_request`."""
+    window, a left-padded row). Built by :func:`snapkv_rag.request.text.encode_request`."""
 
     documents: tuple[tuple[int, int], ...]
     question: int
@@ -177,7 +177,7 @@ class AdaSnapKVConfig(SnapKVConfig):
     safeguard) and the window; the rest of the layer's ``H_kv x (max_capacity_prompt - window)``
     prefix slots go to the best-voted positions of any head, so a head whose attention is spread
     keeps more and a focused head less. The cache holds each layer padded only to its largest
-    head: shorter heads' empty slots are masked, never attended (:mod:`snapkv_rag.adaptive`).
+    head: shorter heads' empty slots are masked, never attended (:mod:`snapkv_rag.methods.adaptive`).
     """
 
     floor: float = 0.2
@@ -238,13 +238,13 @@ class KVzipConfig(SnapKVConfig):
     costs a second prompt's worth of prefill; a model with recurrent layers one more (the re-read
     would run their states on: they are taken from a pass over the prompt alone).
 
-    ``share`` says who shares the budget (:mod:`snapkv_rag.shared_budget`). ``"model"`` (default,
+    ``share`` says who shares the budget (:mod:`snapkv_rag.methods.shared_budget`). ``"model"`` (default,
     the paper's): every position of every layer and KV head is ranked together and the best ones
     kept, as many as the even split would keep in all (``fit="positions"``), plus the last
     ``window_size`` positions; heads then hold different counts, and each layer is decoded padded
     to its widest head, so a request's cache holds more bytes than the kept share
     (``Compressed.kv_bytes`` says how many; a stored document set packs the heads without padding,
-    :mod:`snapkv_rag.ragged`). ``fit="slots"``: the best positions that fit the even split's slots once padded
+    :mod:`snapkv_rag.kv.ragged`). ``fit="slots"``: the best positions that fit the even split's slots once padded
     (the kept share's bytes, fewer positions). ``"layer"``: the same ranking's count per layer,
     split evenly between its heads; ``"head"``: every head of every layer the same count (both
     dense). A shared ranking holds every layer's full K/V until the pass ends. ``sink_tokens``: the

@@ -1,5 +1,5 @@
 """``SnapKVLLM``: the front of the engine. It checks input, renders the prompt, hands the request
-to the engine's scheduler (:mod:`snapkv_rag.scheduler`: prefill -> select -> decode, many requests
+to the engine's scheduler (:mod:`snapkv_rag.runtime.scheduler`: prefill -> select -> decode, many requests
 decoding together) and builds results. ``snapkv=False`` runs the very same path with the full
 cache, so comparisons measure compression and nothing else.
 
@@ -16,15 +16,19 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
 
-from . import attention, choices, cited, compare as comparing, doc_store, loading, prefix_cache, stitch, structured
+from .runtime import attention, choices, compare as comparing
+from .request import cited, structured
+from .documents import store as doc_store, stitch
+from .models import loading
+from .kv import prefix_cache
 from .config import COMPRESSION_CONFIGS, SnapKVConfig
-from .prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
-from .results import GenerationResult, Timings, finish_result
-from .runner import Runner
-from .sampling import SamplingOptions
-from .scheduler import Outcome, Scheduler, SchedulerStats, Ticket
-from .text import Message, Request, check_question, encode_request, normalise_messages
-from .tools import ToolPlan
+from .request.prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
+from .request.results import GenerationResult, Timings, finish_result
+from .runtime.runner import Runner
+from .runtime.sampling import SamplingOptions
+from .runtime.scheduler import Outcome, Scheduler, SchedulerStats, Ticket
+from .request.text import Message, Request, check_question, encode_request, normalise_messages
+from .request.tools import ToolPlan
 
 Comparison = comparing.Comparison
 log = logging.getLogger(__name__)
@@ -161,8 +165,8 @@ class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
         ``seed``, ``snapkv`` (a config, or ``False`` for the full cache), ``response_format`` (a JSON
         schema, a pydantic model class or ``{"type": "json_object"}``: the answer is that JSON, parsed
         in ``result.parsed``), ``cite`` (``"json"``: the answer and its citations come as
-        constrained JSON, see :mod:`snapkv_rag.cited`), ``n`` (answers, in ``result.choices``) and
-        ``logprobs`` (alternatives per token, in ``result.logprobs``): see :mod:`snapkv_rag.choices`."""
+        constrained JSON, see :mod:`snapkv_rag.request.cited`), ``n`` (answers, in ``result.choices``) and
+        ``logprobs`` (alternatives per token, in ``result.logprobs``): see :mod:`snapkv_rag.runtime.choices`."""
         return self.chat(self._messages(check_question(question)), documents, **options)
 
     def stream(self, question: str, documents: Sequence[DocumentLike] | None = None, **options) -> Iterator[str]:
@@ -173,7 +177,7 @@ class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
              **options) -> GenerationResult:
         """Continue a conversation. With ``documents``, the last (user) message becomes the
         question of a RAG prompt; the observation window is always the end of the last message.
-        ``tools`` (OpenAI-style function dicts) and ``tool_choice``: see :mod:`snapkv_rag.tools`;
+        ``tools`` (OpenAI-style function dicts) and ``tool_choice``: see :mod:`snapkv_rag.request.tools`;
         the call comes back in ``result.tool_calls``. Messages may hold an assistant message with
         ``tool_calls`` and ``tool`` messages (``content``, ``tool_call_id``) with the results."""
         return _last(self.stream_result(messages, documents, **options))

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from snapkv_rag import SnapKVLLM, loading
+from snapkv_rag import SnapKVLLM
+from snapkv_rag.models import loading
 
 from snapkv_testing import tiny_llama
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapkv_rag import AdaSnapKVConfig, SnapKVConfig, adaptive
-from snapkv_rag.adaptive import EMPTY, ada_snapkv_select, head_counts, trim_padding
+from snapkv_rag import AdaSnapKVConfig, SnapKVConfig
+from snapkv_rag.methods import adaptive
+from snapkv_rag.methods.adaptive import EMPTY, ada_snapkv_select, head_counts, trim_padding
 
 from snapkv_testing import filler_documents, poisoning_empty_slots
 

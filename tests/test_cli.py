@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from snapkv_rag.cli import in_flag_words, main
-from snapkv_rag.files import collect_documents
+from snapkv_rag.request.files import collect_documents
 
 
 def test_documents_from_jsonl_json_text_files_and_folders(tmp_path):

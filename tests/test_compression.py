@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from snapkv_rag import H2OConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
-from snapkv_rag.compression import h2o_select, random_select, snapkv_select, streaming_select
+from snapkv_rag.methods.selection import h2o_select, random_select, snapkv_select, streaming_select
 
 from snapkv_testing import seeded
 
@@ -155,7 +155,7 @@ def test_random_is_seeded_and_pyramid_budgets_average_out():
 def test_every_method_keeps_a_prompt_no_longer_than_its_budget(config, length):
     # a prompt shorter than the recent window itself included (a short question in an eval cell
     # whose budget comes from the cell's mean prompt)
-    from snapkv_rag.compression import select
+    from snapkv_rag.methods.selection import select
 
     q, k, v = random_qkv(length=length, window=length)
     keys, values, kept = select(config, q, k, v, None, layer_idx=0, num_layers=2)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from snapkv_rag import DocSnapKVConfig, PromptSpans, SnapKVConfig
-from snapkv_rag.compression import doc_snapkv_select, select, share_budget, snapkv_select
-from snapkv_rag.prompts import DEFAULT_INSTRUCTION, to_documents
-from snapkv_rag.text import encode_request
+from snapkv_rag.methods.selection import doc_snapkv_select, select, share_budget, snapkv_select
+from snapkv_rag.request.prompts import DEFAULT_INSTRUCTION, to_documents
+from snapkv_rag.request.text import encode_request
 
 from snapkv_testing import filler_documents, seeded
 

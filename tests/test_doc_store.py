@@ -9,10 +9,9 @@ import httpx
 import pytest
 import torch
 
-from snapkv_rag import (DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PyramidKVConfig, SnapKVConfig,
-                        SnapKVLLM, StreamingLLMConfig)
-from snapkv_rag.compression import key_norm_select
-from snapkv_rag.doc_store import DocumentSet
+from snapkv_rag import DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PyramidKVConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
+from snapkv_rag.methods.selection import key_norm_select
+from snapkv_rag.documents.store import DocumentSet
 
 from families import tiny_model as family_model
 from server_testing import running_server

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from snapkv_rag import PyramidKVConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
-from snapkv_rag.compression import snapkv_select
+from snapkv_rag.methods.selection import snapkv_select
 
 from snapkv_testing import cache_kwarg, capture_caches, filler_documents, seeded
 
@@ -192,7 +192,7 @@ def test_masked_decode_attention_equals_transformers_sdpa(tiny_model):
     through SDPA with grouped heads instead of transformers' copy of every KV head: same output."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from snapkv_rag.attention import grouped_sdpa
+    from snapkv_rag.runtime.attention import grouped_sdpa
 
     module = tiny_model.model.layers[0].self_attn
     g = seeded(0)

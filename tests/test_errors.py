@@ -99,9 +99,9 @@ def test_device_and_dtype_given_with_a_loaded_model_are_applied(tokenizer):
     (False, "bfloat16", torch.bfloat16, True),  # ... and where it is only emulated, the log says so
 ])
 def test_cpu_dtype_default_and_emulated_bfloat16(monkeypatch, caplog, native, given, expected, warned):
-    from snapkv_rag import loading
+    from snapkv_rag.models import loading
 
     monkeypatch.setattr(loading, "cpu_has_native_bfloat16", lambda: native)
-    with caplog.at_level("WARNING", logger="snapkv_rag.loading"):
+    with caplog.at_level("WARNING", logger="snapkv_rag.models.loading"):
         assert loading.resolve_dtype(given, "cpu") == expected
     assert ("emulated" in caplog.text) == warned

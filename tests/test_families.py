@@ -22,9 +22,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from families import COMMON, FAMILIES, tiny_model
-from snapkv_rag import lookahead
-from snapkv_rag import (AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM,
-                        StreamingLLMConfig)
+from snapkv_rag.runtime import draft as lookahead
+from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
 from snapkv_testing import capture_caches, filler_documents, tiny_llama
 
 BUDGET = SnapKVConfig(max_capacity_prompt=64, window_size=8)
@@ -324,7 +323,7 @@ def tiny_gemma3n(vocab: int):
     (tiny_gemma3n, "model type 'gemma3n_text' has layers that attend over another layer's K/V"),
 ], ids=["chunked-attention", "minimax-own-cache", "gemma3n-shared-kv"])
 def test_an_unsupported_model_is_refused_before_any_work_naming_the_model_type(model_of_case, match, tokenizer):
-    from snapkv_rag.cache import UnsupportedModelError
+    from snapkv_rag.kv.prompt_cache import UnsupportedModelError
 
     model = model_of_case(len(tokenizer))
     calls = []

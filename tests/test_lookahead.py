@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapkv_rag import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig, lookahead
+from snapkv_rag import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig
+from snapkv_rag.runtime import draft as lookahead
 
 from snapkv_testing import filler_documents
 

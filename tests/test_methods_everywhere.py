@@ -9,7 +9,8 @@ import pytest
 
 from evals.methods import parse_spec
 from server_testing import running_server
-from snapkv_rag import DocSnapKVConfig, SnapKVConfig, compression
+from snapkv_rag import DocSnapKVConfig, SnapKVConfig
+from snapkv_rag.methods import selection as compression
 from snapkv_rag.cli import _config, build_parser
 
 from snapkv_testing import filler_documents

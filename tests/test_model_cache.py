@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from snapkv_rag import loading
+from snapkv_rag.models import loading
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ import httpx
 import pytest
 import torch
 
-from snapkv_rag import DocSnapKVConfig, H2OConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig, tails
-from snapkv_rag.layer_kinds import FULL, RECURRENT, LayerSpec
-from snapkv_rag.prefix_cache import Prefix, PrefixCache, PrefixLayer, boundary, unsupported
+from snapkv_rag import DocSnapKVConfig, H2OConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
+from snapkv_rag.kv import tails
+from snapkv_rag.models.layer_kinds import FULL, RECURRENT, LayerSpec
+from snapkv_rag.kv.prefix_cache import Prefix, PrefixCache, PrefixLayer, boundary, unsupported
 
 from families import FAMILIES, tiny_model
 from server_testing import running_server

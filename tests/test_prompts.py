@@ -7,7 +7,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snapkv_rag.prompts import Document, format_documents, parse_citations, rag_user_message, strip_citations, to_documents
+from snapkv_rag.request.prompts import Document, format_documents, parse_citations, rag_user_message, strip_citations, to_documents
 
 doc_text = st.text(max_size=300) | st.sampled_from(["[3]", "Question: who?", "[1][2]", "", "Documents:\n\n[9] x"])
 documents = st.lists(st.builds(Document, text=doc_text, title=st.none() | st.text(max_size=40)), max_size=40)

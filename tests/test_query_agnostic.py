@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from snapkv_rag import KeyNormConfig, KVzipConfig, SnapKVConfig, SnapKVLLM
-from snapkv_rag.compression import key_norm_select, reread_scores, select
+from snapkv_rag.methods.selection import key_norm_select, reread_scores, select
 
 from families import tiny_model
 from snapkv_testing import filler_documents, seeded, tiny_llama

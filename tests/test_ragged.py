@@ -1,4 +1,4 @@
-"""Ragged heads stored without padding (:mod:`snapkv_rag.ragged`): packing keeps exactly the kept
+"""Ragged heads stored without padding (:mod:`snapkv_rag.kv.ragged`): packing keeps exactly the kept
 slots and unpacking gives the padded layer back bit for bit; a document set saved in the first file
 format (padded layers) still loads and answers the same."""
 
@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from snapkv_rag import KVzipConfig, SnapKVLLM
-from snapkv_rag.adaptive import EMPTY, keep_ranked
-from snapkv_rag.cache import LayerKV
-from snapkv_rag.doc_files import META, _checksum
-from snapkv_rag.ragged import pack, unpack
+from snapkv_rag.methods.adaptive import EMPTY, keep_ranked
+from snapkv_rag.kv.prompt_cache import LayerKV
+from snapkv_rag.documents.files import META, _checksum
+from snapkv_rag.kv.ragged import pack, unpack
 from snapkv_testing import filler_documents
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from snapkv_rag.ray_local import is_loopback, listening
+from snapkv_rag.server.ray_local import is_loopback, listening
 from test_serve_process import model_folder, serve  # noqa: F401  (model_folder: the tiny model's fixture)
 
 pytest.importorskip("ray.serve", reason="the ray extra (ray[serve]) is not installed")

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from families import tiny_model as family_model
-from snapkv_rag import KeyNormConfig, SnapKVLLM, tails
-from snapkv_rag.cache import PromptCache
+from snapkv_rag import KeyNormConfig, SnapKVLLM
+from snapkv_rag.kv import tails
+from snapkv_rag.kv.prompt_cache import PromptCache
 from snapkv_testing import filler_documents
 
 FAMILIES = ["lfm2", "qwen3-next", "falcon-h1", "zamba2", "nemotron-h"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from snapkv_rag.sampling import SamplingOptions, SamplingSlots, logprobs, sample
+from snapkv_rag.runtime.sampling import SamplingOptions, SamplingSlots, logprobs, sample
 
 
 def slots_for(options: list[SamplingOptions | None]) -> SamplingSlots:
@@ -163,7 +163,7 @@ def test_bad_settings_get_clear_errors():
 def test_noise_is_finite_at_the_extremes_of_the_hash():
     """A uniform of exactly 0 or 1 makes infinite Gumbel noise, and inf + a masked token's -inf is NaN,
     which argmax picks: a grammar-masked token then wins (seen with a 2-token mask at top_p 0.95)."""
-    from snapkv_rag.sampling import _uniform
+    from snapkv_rag.runtime.sampling import _uniform
 
     extremes = _uniform(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64))
     assert bool(((extremes > 0) & (extremes < 1)).all())

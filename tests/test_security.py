@@ -9,7 +9,8 @@ import socket
 
 import pytest
 
-from snapkv_rag import ModelLoadError, SnapKVLLM, loading
+from snapkv_rag import ModelLoadError, SnapKVLLM
+from snapkv_rag.models import loading
 
 
 class _Trap:

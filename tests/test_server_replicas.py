@@ -26,7 +26,7 @@ QUESTIONS = [f"Which river is number {i}?" for i in range(8)]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tokenizer):
-    from snapkv_rag import ray_local
+    from snapkv_rag.server import ray_local
     from snapkv_rag.server.protocol import ServerSettings
     from snapkv_rag.server.replicas import application
 

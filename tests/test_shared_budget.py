@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapkv_rag import KVzipConfig, SnapKVLLM, shared_budget
-from snapkv_rag.adaptive import EMPTY
-from snapkv_rag.shared_budget import global_counts, keep_counts
+from snapkv_rag import KVzipConfig, SnapKVLLM
+from snapkv_rag.methods import shared_budget
+from snapkv_rag.methods.adaptive import EMPTY
+from snapkv_rag.methods.shared_budget import global_counts, keep_counts
 
 from snapkv_testing import filler_documents, poisoning_empty_slots
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from snapkv_rag import GenerationOutOfMemoryError, SnapKVLLM
-from snapkv_rag.cache import LayerKV
-from snapkv_rag.slots import SlotCache
+from snapkv_rag.kv.prompt_cache import LayerKV
+from snapkv_rag.kv.slot_cache import SlotCache
 from snapkv_testing import filler_documents
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,7 +115,7 @@ def test_a_lone_eager_request_gets_the_capacity_it_needs(tiny_model, tokenizer):
     assert need <= slots.capacity < need + 256 and slots.capacity % 256 == 0
     longer = _prefilled(llm, 16)
     slots.join(1, longer, room=8, token=1)  # a row in use: the next bucket, as before
-    from snapkv_rag.slots import capacity_bucket
+    from snapkv_rag.kv.slot_cache import capacity_bucket
 
     assert slots.capacity == capacity_bucket(max(kv.slots for kv in longer.layers if isinstance(kv, LayerKV)) + 8)
     llm.close()

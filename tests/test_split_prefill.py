@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from families import FAMILIES, HYBRIDS, tiny_model
 from snapkv_rag import KeyNormConfig, SnapKVConfig, SnapKVLLM
-from snapkv_rag.layer_kinds import layer_specs, state_break
+from snapkv_rag.models.layer_kinds import layer_specs, state_break
 from snapkv_testing import cache_kwarg, filler_documents
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,7 +8,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from snapkv_rag import SnapKVConfig, SnapKVLLM
-from snapkv_rag.stitch import common_suffix, most_deviating, rotary_of, rotate_keys
+from snapkv_rag.documents.stitch import common_suffix, most_deviating, rotary_of, rotate_keys
 
 from families import tiny_model as family_model
 from snapkv_testing import filler_documents

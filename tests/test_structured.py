@@ -9,10 +9,11 @@ import jsonschema
 import pytest
 import torch
 
-from snapkv_rag import SchemaError, SnapKVConfig, StreamingLLMConfig, cited
-from snapkv_rag.sampling import SamplingOptions
-from snapkv_rag.scheduler import Outcome
-from snapkv_rag.structured import apply_masks, closing_path, compile_format
+from snapkv_rag import SchemaError, SnapKVConfig, StreamingLLMConfig
+from snapkv_rag.request import cited
+from snapkv_rag.runtime.sampling import SamplingOptions
+from snapkv_rag.runtime.scheduler import Outcome
+from snapkv_rag.request.structured import apply_masks, closing_path, compile_format
 
 from snapkv_testing import filler_documents
 
@@ -121,7 +122,7 @@ def test_bad_schema_raises_before_prefill(tiny_engine, monkeypatch, bad, message
     def no_prefill(*args, **kwargs):
         raise AssertionError("prefill ran")
 
-    monkeypatch.setattr("snapkv_rag.runner.Runner.prefill", no_prefill)
+    monkeypatch.setattr("snapkv_rag.runtime.runner.Runner.prefill", no_prefill)
     calls = [lambda: tiny_engine.generate("q?", response_format=bad),
              lambda: tiny_engine.stream("q?", response_format=bad),
              lambda: tiny_engine.generate_batch(["q?"], response_format=bad),
@@ -159,8 +160,8 @@ def test_cite_json_prompt_keeps_the_question_last(tiny_engine):
 
 def _result_after(tokenizer, text: str, documents: int, end: bool):
     """A result whose constraint has read ``text`` (and an end-of-sequence token if ``end``)."""
-    from snapkv_rag.results import CompressionStats, GenerationResult, Timings, Usage
-    from snapkv_rag.prompts import Document
+    from snapkv_rag.request.results import CompressionStats, GenerationResult, Timings, Usage
+    from snapkv_rag.request.prompts import Document
 
     constraint = compile_format(tokenizer, cited.cite_schema(documents), len(tokenizer), {2}).new_constraint()
     for token in tokenizer(text, add_special_tokens=False).input_ids + ([2] if end else []):

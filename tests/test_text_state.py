@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from snapkv_rag.text import TextState
+from snapkv_rag.request.text import TextState
 
 UNICODE = ["東京は日本の首都です。富士山は高い。", "Crème brûlée à la française, s'il vous plaît",
            "👨‍👩‍👧 family 🎉🚀 done", "naïve café — Ελληνικά, русский, हिन्दी"]

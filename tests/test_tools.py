@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from snapkv_rag.text import encode_request
-from snapkv_rag.tools import ANSWER_FROM_RESULTS, TOOLS_PREAMBLE, ToolPlan, check_tools
+from snapkv_rag.request.text import encode_request
+from snapkv_rag.request.tools import ANSWER_FROM_RESULTS, TOOLS_PREAMBLE, ToolPlan, check_tools
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},

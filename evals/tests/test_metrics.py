@@ -47,7 +47,7 @@ def test_citation_precision_recall_f1():
 
 
 def test_citation_formats_parse_to_the_same_documents():
-    from snapkv_rag.prompts import parse_citations
+    from snapkv_rag.request.prompts import parse_citations
 
     for text in ("Paris [1][3].", "Paris [1, 3].", "Paris [1] and [3]"):
         assert citation_scores(parse_citations(text, 5), [1, 3])["cit_f1"] == 1.0

@@ -8,7 +8,8 @@ import sys
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from snapkv_rag import SnapKVLLM, loading
+from snapkv_rag import SnapKVLLM
+from snapkv_rag.models import loading
 
 
 def tiny_engine() -> SnapKVLLM:

@@ -1,7 +1,7 @@
 """Stored compressed document sets in the server: a request whose method is query-agnostic
 (``keynorm``, ``kvzip``, or the server's default when it is one) and whose prompt is one question
 over documents runs over the engine's stored cache of those documents under that method
-(:mod:`snapkv_rag.doc_store`): the first such request over a document set compresses the
+(:mod:`snapkv_rag.documents.store`): the first such request over a document set compresses the
 instruction + documents once (a miss), every later one with the same documents, in the same order,
 and the same method prefills only its question (a hit). Counted in ``/metrics`` as
 ``snapkv_rag_doc_store_*``. A conversation with earlier turns or a system message, tools,
@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from .. import doc_store
+from ..documents import store as doc_store, stored
 from .protocol import Call
 
 
 def eligible(llm, call: Call) -> bool:
     method = call.options["snapkv"] if "snapkv" in call.options else llm.default_snapkv
     single = isinstance(call.prompt, str) or (len(call.prompt) == 1 and call.prompt[0].get("role") == "user")
-    return (bool(call.documents) and single and call.tools is None and type(method) in doc_store.QUERY_AGNOSTIC
+    return (bool(call.documents) and single and call.tools is None and type(method) in stored.QUERY_AGNOSTIC
             and call.options.get("cite", "text") == "text" and llm.doc_store.max_bytes > 0
             and doc_store.unsupported(llm) is None)
 

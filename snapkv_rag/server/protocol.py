@@ -10,7 +10,7 @@ from dataclasses import fields as fields_of
 from typing import Any
 
 from ..config import AdaSnapKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig
-from ..tools import ToolPlan
+from ..request.tools import ToolPlan
 from . import logprobs, tool_calls
 from .errors import APIError, bad, typed
 

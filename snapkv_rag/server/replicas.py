@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 
-from .. import ray_local
+from . import ray_local
 from .protocol import ServerSettings
 
 REPLICA_HEADER = b"x-snapkv-replica"

@@ -3,14 +3,14 @@ tool-call deltas with their tokens' logprobs, and its closing finish reason."""
 
 from __future__ import annotations
 
-from ..choices import Piece
+from ..runtime.choices import Piece
 from . import logprobs
 from .protocol import Call, chunk
 from .tool_calls import CallStream, stream_end
 
 
 class Streams:
-    """Turns the engine's streamed pieces (a :class:`~snapkv_rag.choices.Piece` names its choice and
+    """Turns the engine's streamed pieces (a :class:`~snapkv_rag.runtime.choices.Piece` names its choice and
     carries its logprobs; a plain ``str`` is choice 0's) into chunks. Every choice ends when the
     last one has: the engine's result comes once, with all of them."""
 

@@ -1,4 +1,4 @@
-"""Tools through the OpenAI API. The engine does the calling (:mod:`snapkv_rag.tools`: a call is
+"""Tools through the OpenAI API. The engine does the calling (:mod:`snapkv_rag.request.tools`: a call is
 decoded under the JSON schema of ``{"name": ..., "arguments": {...}}``); this module only
 translates: the request's ``tools``, ``tool_choice``, ``parallel_tool_calls`` and agent-loop
 messages in, OpenAI's ``message.tool_calls`` and streamed ``delta.tool_calls`` out.
@@ -13,7 +13,7 @@ import json
 import re
 import uuid
 
-from ..tools import ToolPlan, normalise_tool_calls
+from ..request.tools import ToolPlan, normalise_tool_calls
 from .errors import APIError, bad, typed
 
 # the start of a call as the engine decodes it (properties in schema order, xgrammar's separators)

@@ -13,9 +13,9 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.messages.ai import UsageMetadata
 from pydantic import Field
 from snapkv_rag import Document, GenerationResult
-from snapkv_rag.adapter_fields import EngineSpec
-from snapkv_rag.adapters import call_options, result_metadata
-from snapkv_rag.doc_store import DocumentHandle
+from snapkv_rag.frameworks.fields import EngineSpec
+from snapkv_rag.frameworks.shared import call_options, result_metadata
+from snapkv_rag.documents.store import DocumentHandle
 
 __all__ = ["EngineFields", "to_engine_documents", "usage_metadata", "result_metadata"]
 

@@ -15,8 +15,8 @@ from langchain_core.messages.content import create_plaintext_block
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from snapkv_rag import Document, GenerationResult
-from snapkv_rag.prompts import to_document
-from snapkv_rag.tools import ToolPlan
+from snapkv_rag.request.prompts import to_document
+from snapkv_rag.request.tools import ToolPlan
 
 
 from . import structured
@@ -67,7 +67,7 @@ class ChatSnapKV(EngineFields, BaseChatModel):
         chat.with_structured_output(CitedAnswer).invoke("Who wrote Hamlet?", documents=retrieved)
 
     ``tool_choice="auto"`` (the default) calls a tool unless the last message is a tool result,
-    then answers in text (see :mod:`snapkv_rag.tools`: a small model cannot judge by itself).
+    then answers in text (see :mod:`snapkv_rag.request.tools`: a small model cannot judge by itself).
     """
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:

@@ -1,7 +1,7 @@
 """Tools and structured output for ``ChatSnapKV``: LangChain's shapes to the engine's and back.
 
 The engine decodes a tool call, or a structured answer, constrained to a JSON schema, so that it
-always parses (see :mod:`snapkv_rag.tools`); this module only translates schemas, tool calls
+always parses (see :mod:`snapkv_rag.request.tools`); this module only translates schemas, tool calls
 and parsers.
 """
 
@@ -19,7 +19,7 @@ from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from snapkv_rag.tools import check_tool_choice, check_tools
+from snapkv_rag.request.tools import check_tool_choice, check_tools
 
 METHODS = ("json_schema", "json_mode", "function_calling")
 

@@ -9,7 +9,8 @@ import time
 
 import pytest
 from langchain_snapkv import ChatSnapKV
-from snapkv_rag import adapters, attention
+from snapkv_rag.frameworks import shared as adapters
+from snapkv_rag.runtime import attention
 
 
 def attached(model) -> bool:

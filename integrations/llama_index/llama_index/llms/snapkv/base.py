@@ -22,8 +22,8 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate
 from pydantic import BaseModel, Field, model_validator
 from snapkv_rag import GenerationResult
-from snapkv_rag.adapter_fields import EngineSpec
-from snapkv_rag.adapters import CALL_OPTIONS, call_options, iterate_in_thread, result_metadata
+from snapkv_rag.frameworks.fields import EngineSpec
+from snapkv_rag.frameworks.shared import CALL_OPTIONS, call_options, iterate_in_thread, result_metadata
 
 from . import instrumentation, structured
 from .citations import split_sources
@@ -58,7 +58,7 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
 
     Function calling (``chat_with_tools``, ``predict_and_call``, ``FunctionAgent``): each call is
     decoded under the JSON schema of the call; ``tool_required=True`` forces one, otherwise the
-    model calls a tool unless the last message is a tool result (see :mod:`snapkv_rag.tools`).
+    model calls a tool unless the last message is a tool result (see :mod:`snapkv_rag.request.tools`).
     """
 
     max_new_tokens: int | None = Field(default=None, description="None: the engine's default.")

@@ -2,7 +2,7 @@
 
 ``structured_predict`` and friends decode the answer under the output class's JSON schema (the
 engine's ``response_format``), so it always parses: no prompt-and-parse program. Tool calls are
-decoded under the schema of one call (see :mod:`snapkv_rag.tools`) and come back as
+decoded under the schema of one call (see :mod:`snapkv_rag.request.tools`) and come back as
 ``ToolCallBlock``s of the assistant message (also in ``additional_kwargs["tool_calls"]``, OpenAI's
 shape), which :func:`tool_selections` reads back.
 """

@@ -5,8 +5,8 @@
     docs.save("docs.safetensors"); llm.load_documents("docs.safetensors")
 
 What is stored: the prompt's tokens before its question (chat template head, documents,
-instruction: the prefix the document prefix cache also cuts at, :func:`snapkv_rag.prefix_cache.boundary`)
-compressed by a *query-agnostic* method (:data:`QUERY_AGNOSTIC`): per attention layer the kept keys,
+instruction: the prefix the document prefix cache also cuts at, :func:`snapkv_rag.kv.prefix_cache.boundary`)
+compressed by a *query-agnostic* method (:data:`snapkv_rag.documents.stored.QUERY_AGNOSTIC`): per attention layer the kept keys,
 values and their original positions. A question over the handle prefills only the tail (``"Question:
 ..."`` and the chat template's end) on top of the kept K/V, at the positions it has in the whole
 prompt (the cache's positions go on from the uncompressed length, as every compressed row's do), and
@@ -22,150 +22,29 @@ The store is an LRU bounded by bytes (``doc_store_bytes``, default 1 GiB), keyed
 identity (name, config, dtype), the tokenizer's, the library version, the method with its settings,
 and the prefix's token ids (which the documents, the instruction and the chat template give). An
 entry leaves only by LRU eviction (counted in :meth:`DocStore.stats`); a handle whose entry left is
-indexed again on its next use (counted as a miss). Files: :mod:`snapkv_rag.doc_files`.
+indexed again on its next use (counted as a miss). Files: :mod:`snapkv_rag.documents.files`.
 Full and sliding-window attention layers (a sliding layer's tail sees what lies inside each query's
 window), multi-head latent attention (the kept latents, one selection for every head), and recurrent
 and hybrid layers: their conv / SSM states after the prefix are stored beside the K/V (whole: a
-state is not per token), and a tail over them runs one token per step (:mod:`snapkv_rag.tails`).
+state is not per token), and a tail over them runs one token per step (:mod:`snapkv_rag.kv.tails`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from . import __version__, prefix_cache, ragged, tails
-from .cache import FULL, LATENT, NONE, RECURRENT, SLIDING, LayerKV
-from .config import KeyNormConfig, KVzipConfig, RandomConfig, StreamingLLMConfig
-from .lru import ByteLRU
-from .prompts import Document, DocumentLike
-from .ragged import PackedKV
+from ..kv import prefix_cache, tails
+from ..kv.lru import ByteLRU
+from ..kv.prompt_cache import FULL, LATENT, NONE, RECURRENT, SLIDING
+from ..request.prompts import DocumentLike
+from .files import load, save
+from .stored import Stored, check_method, entry_key, identity
 
 DEFAULT_BYTES = 1 << 30
-QUERY_AGNOSTIC = (KeyNormConfig, KVzipConfig, StreamingLLMConfig, RandomConfig)
-"""Methods whose selection never looks at the question (``None``, the full cache, too)."""
 PLACEHOLDER = "?"  # the question the prefix is cut from (the prefix ends before it)
-
-
-def check_method(method: Any):
-    """The store's method from what a caller gives: a query-agnostic config, a fraction (key-norm
-    at that ratio) or ``None`` (the prefix kept whole)."""
-    if isinstance(method, float) and not isinstance(method, bool):
-        return KeyNormConfig(ratio=method)
-    if method is None or type(method) in QUERY_AGNOSTIC:
-        return method
-    name = getattr(method, "method", type(method).__name__)
-    raise ValueError(f"method: {name} chooses what to keep from the question's attention, so its cache fits "
-                     "one question only; a stored document cache needs a query-agnostic method: KeyNormConfig, "
-                     "KVzipConfig, StreamingLLMConfig, RandomConfig, a fraction (key-norm at that ratio) or None")
-
-
-def method_json(method) -> dict | None:
-    """A method config as JSON (its class and fields): part of the key and of a saved file."""
-    return None if method is None else {"class": type(method).__name__, **dataclasses.asdict(method)}
-
-
-def method_from_json(data: dict | None):
-    if data is None:
-        return None
-    classes = {cls.__name__: cls for cls in QUERY_AGNOSTIC}
-    fields = dict(data)
-    cls = classes.get(fields.pop("class", None))
-    if cls is None:
-        raise ValueError(f"method: {data.get('class')!r} is not a query-agnostic method of this library")
-    return cls(**fields)
-
-
-def identity(llm) -> dict:
-    """What a stored cache is valid for: the model (name, config, a fingerprint of its first and last
-    weights, dtype), the tokenizer (vocabulary, chat template) and the library version."""
-    cached = getattr(llm, "_doc_identity", None)
-    if cached is None:
-        config = llm.model.config.to_dict()
-        config.pop("_name_or_path", None)
-        tok = llm.tokenizer
-        vocab = sorted(tok.get_vocab().items()) if hasattr(tok, "get_vocab") else []
-        params = (next(llm.model.parameters()), list(llm.model.parameters())[-1])
-        weights = hashlib.sha256(b"".join(p.detach().flatten()[:4096].float().cpu().numpy().tobytes() for p in params))
-        cached = {"model": str(llm.model_name), "model_hash": _digest([config, weights.hexdigest()]),
-                  "dtype": str(next(llm.model.parameters()).dtype).removeprefix("torch."),
-                  "tokenizer_hash": _digest([vocab, getattr(tok, "chat_template", None)]), "library": __version__}
-        llm._doc_identity = cached
-    return cached
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def entry_key(ident: dict, method, ids: Sequence[int]) -> str:
-    return _digest([ident, method_json(method), list(ids)])
-
-
-def documents_hash(documents: Sequence[Document]) -> str:
-    return _digest([[d.text, d.title, d.id] for d in documents])
-
-
-@dataclass(frozen=True)
-class Stored:
-    """One stored compressed prefix: its token ids, per layer its kept keys, values and original
-    positions packed without padding (:class:`~snapkv_rag.ragged.PackedKV`; ``None`` for an MLP-only
-    layer), the method that chose them and what built it. Make one with :meth:`of`."""
-
-    key: str
-    ids: tuple[int, ...]
-    packed: tuple[PackedKV | None, ...]
-    method: Any
-    documents: tuple[Document, ...]
-    instruction: str
-    states: tuple = ()  # per layer its conv / SSM state after the prefix (None: none); () without any
-
-    @classmethod
-    def of(cls, key: str, ids: Sequence[int], layers: Sequence, method, documents, instruction: str):
-        """From a prefill's compressed layers (ragged heads padded, as a prefill leaves them; a
-        recurrent layer's state object, a hybrid layer's state beside its K/V)."""
-        states = tails.held_states(layers)
-        return cls(key, tuple(ids), tuple(ragged.pack(kv) if isinstance(kv, LayerKV) else None for kv in layers),
-                   method, tuple(documents), instruction, states if any(s is not None for s in states) else ())
-
-    @property
-    def layers(self) -> tuple[LayerKV | None, ...]:
-        """The layers padded again, as a prefill over them needs them (a copy at each call)."""
-        return tuple(None if p is None else ragged.unpack(p) for p in self.packed)
-
-    def prefix(self) -> prefix_cache.Prefix:
-        """What a prefill over this entry starts from: its ids and layers, padded (a copy)."""
-        return prefix_cache.Prefix(self.ids, self.layers)
-
-    @property
-    def length(self) -> int:
-        return len(self.ids)
-
-    @property
-    def config(self):
-        """The method with its budget in tokens for this prefix (a ``ratio`` resolved)."""
-        return self.method and self.method.for_prompt(self.length)
-
-    def kv_bytes(self) -> tuple[int, int]:
-        """(bytes the full cache of the prefix holds, bytes of the kept keys + values)."""
-        full = kept = 0
-        for p in self.packed:
-            if p is not None:
-                kv = p.padded if p.padded is not None else p
-                heads = p.counts.shape[0]
-                full += heads * (kv.keys.shape[-1] + kv.values.shape[-1]) * kv.keys.element_size() * self.length
-                kept += p.kept_bytes
-        return full, kept
-
-    @property
-    def nbytes(self) -> int:
-        """Every tensor held (positions included): what the store's bound counts."""
-        return sum(p.nbytes for p in self.packed if p is not None) + sum(map(prefix_cache.state_bytes, self.states))
-
 
 
 class DocStoreStats(prefix_cache.PrefixStats):
@@ -193,7 +72,7 @@ class DocStore:
 
     def used(self, entry: Stored):
         """Count a question answered from ``entry``; returns the method it runs (the entry's)."""
-        if not isinstance(entry, Stored):  # a stitched prompt (:mod:`snapkv_rag.stitch`): its own store counts
+        if not isinstance(entry, Stored):  # a stitched prompt (:mod:`snapkv_rag.documents.stitch`): its own store counts
             return entry.config
         with self._lock:
             self._counts.hits += 1
@@ -289,7 +168,6 @@ class DocumentSet(DocumentHandle):
         return request
 
     def save(self, path, overwrite: bool = False) -> None:
-        from .doc_files import save
 
         save(self.llm, self.entry(), path, overwrite)
 
@@ -372,7 +250,6 @@ class DocumentsAPI:
     def load_documents(self, path) -> DocumentSet:
         """A handle on a document set saved with ``handle.save(path)`` by the same model, tokenizer and
         library version (anything else: a clear error); it goes into the store."""
-        from .doc_files import load
 
         entry = load(self, path)
         self.doc_store.put(entry)

@@ -114,7 +114,7 @@ class GenerationResult:
 
 
 def compression_stats(compressed, selection_ms: float) -> CompressionStats:
-    """What a request's compressed cache (:class:`snapkv_rag.cache.Compressed`) keeps of its prompt:
+    """What a request's compressed cache (:class:`snapkv_rag.kv.prompt_cache.Compressed`) keeps of its prompt:
     kept tokens and bytes read from its buffers."""
     full_bytes, kept_bytes = compressed.kv_bytes()
     return CompressionStats(method="full" if compressed.method is None else compressed.method.method,
@@ -125,7 +125,7 @@ def compression_stats(compressed, selection_ms: float) -> CompressionStats:
 
 def finish_result(row_text, documents: list[Document], prompt_tokens: int, compression: CompressionStats,
                   timings: Timings) -> GenerationResult:
-    """A :class:`GenerationResult` from a row's text (a :class:`snapkv_rag.text.RowText`) and its figures."""
+    """A :class:`GenerationResult` from a row's text (a :class:`snapkv_rag.request.text.RowText`) and its figures."""
     timings.decode_ms_per_token = row_text.decode_ms_per_token
     timings.decode_step_ms = list(row_text.decode_step_ms)
     return GenerationResult(

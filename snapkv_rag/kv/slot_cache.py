@@ -3,7 +3,7 @@
 Per attention layer, keys and values ``[rows, H_kv, capacity, D]`` are allocated once (rows and
 capacity in buckets, see :func:`bucket`), next to the original position of every slot, one tensor
 for all attention layers, ``positions`` ``[layers, rows, H_kv, capacity]`` (``-1``: empty). A
-request's compressed prompt (:class:`~snapkv_rag.cache.Compressed`, a value) joins by being written
+request's compressed prompt (:class:`~snapkv_rag.kv.prompt_cache.Compressed`, a value) joins by being written
 into the lowest free row, each layer right-aligned to the row's longest layer, so that one write
 index per row (``write_at``) serves every layer; nothing of another row is copied. A row that
 leaves is freed by metadata (its index and position reset on the device).
@@ -15,7 +15,7 @@ advances the rows in use. A row of the bucket holding no request writes at its s
 to it: its numbers stay finite and its token is ignored.
 
 Recurrent layers (Mamba / linear attention / conv state) keep their states per row, in
-:class:`~snapkv_rag.row_states.RowStates` buffers: a joining request's states are written into its
+:class:`~snapkv_rag.kv.row_states.RowStates` buffers: a joining request's states are written into its
 row, a leaving row is freed by metadata, and a step over rows ``[0, b)`` hands the model views of
 those rows. A hybrid layer (attention + Mamba state in one layer) has its attention part in slots
 like any attention layer and its state in the same per-row buffers. Rows of hybrid models therefore
@@ -30,7 +30,7 @@ import logging
 import torch
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from .cache import SLIDING, Compressed, LayerKV, LayerSpec, LayerTrackingCache
+from .prompt_cache import SLIDING, Compressed, LayerKV, LayerSpec, LayerTrackingCache
 from .row_states import RowStates, StateLayer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
@@ -86,8 +86,8 @@ class SlotLayer(DynamicLayer):
 
 class SlotHybridLayer(LinearAttentionLayer, SlotLayer):
     """A hybrid layer's slots: the attention part as a :class:`SlotLayer`, the conv / SSM states views
-    of the batch's rows of :class:`~snapkv_rag.row_states.RowStates` buffers, updated in place by
-    transformers' own ``LinearAttentionLayer`` code (as in :class:`~snapkv_rag.cache.PromptHybridLayer`)."""
+    of the batch's rows of :class:`~snapkv_rag.kv.row_states.RowStates` buffers, updated in place by
+    transformers' own ``LinearAttentionLayer`` code (as in :class:`~snapkv_rag.kv.prompt_cache.PromptHybridLayer`)."""
 
     def __init__(self, spec: LayerSpec, cache: SlotCache, index: int, number_of_states: int):
         SlotLayer.__init__(self, spec, cache, index)

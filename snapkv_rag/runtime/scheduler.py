@@ -1,6 +1,6 @@
 """Continuous batching: one worker thread owns the model; callers from any thread or event loop
 submit requests and receive their text as it is decoded. The scheduler decides, the runner
-(:mod:`snapkv_rag.runner`) executes. The worker's loop, top to bottom::
+(:mod:`snapkv_rag.runtime.runner`) executes. The worker's loop, top to bottom::
 
     job = next waiting request, if a row is free (and KV memory fits)        # arrival order
     start(job):  prefill it alone, at its own length -> select (compress) -> first token
@@ -28,14 +28,16 @@ from typing import Any
 
 import torch
 
-from . import choices, prefix_cache, structured
-from .cache import Compressed
-from .results import CompressionStats, SchedulerStats, compression_stats  # noqa: F401 (SchedulerStats: re-exported)
+from . import choices
+from ..kv import prefix_cache
+from ..request import structured
+from ..kv.prompt_cache import Compressed
+from ..request.results import CompressionStats, SchedulerStats, compression_stats  # noqa: F401 (SchedulerStats: re-exported)
 from .runner import Prefilled, Runner, StepClock
 from .sampling import GREEDY, SamplingOptions, SamplingSlots, sample
-from .row_states import state_bytes
-from .slots import SlotCache, request_states
-from .text import Request, RowText, TextState
+from ..kv.row_states import state_bytes
+from ..kv.slot_cache import SlotCache, request_states
+from ..request.text import Request, RowText, TextState
 from .tickets import _DONE, _ERROR, _PIECE, Ticket  # noqa: F401 (Ticket: re-exported)
 
 
@@ -128,7 +130,7 @@ class Scheduler:
                loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
         """Queue a request; its pieces and outcome come through the returned :class:`Ticket`
         (delivered on ``loop`` for async callers). ``sampling.n > 1``: ``n`` rows share one prefill
-        (:mod:`snapkv_rag.choices`) and one ticket, whose outcome holds all ``n``."""
+        (:mod:`snapkv_rag.runtime.choices`) and one ticket, whose outcome holds all ``n``."""
         ticket, sampling = Ticket(loop), _seeded(sampling)
         group = Group(request.input_ids, {"": config}, together=True, n=sampling.n) if sampling.n > 1 else None
         self._queue([Job(choices.choice_request(request, i), choices.choice_sampling(sampling, i), list(stop),
@@ -347,7 +349,7 @@ class Scheduler:
         return False
 
     def _emit(self, job: Job, text: str, final: bool = False) -> None:
-        """Send ``text`` (a :class:`~snapkv_rag.choices.Piece` when the job reports its choice or logprobs)."""
+        """Send ``text`` (a :class:`~snapkv_rag.runtime.choices.Piece` when the job reports its choice or logprobs)."""
         piece = job.log.piece(text, final) if job.log is not None else text or None
         if piece is not None:
             job.ticket.put(_PIECE, piece)

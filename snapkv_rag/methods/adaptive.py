@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .compression import NEG_INF, best_positions, gather_positions, keep_top, pool_votes, snapkv_votes
-from .config import AdaSnapKVConfig
+from .selection import NEG_INF, best_positions, gather_positions, keep_top, pool_votes, snapkv_votes
+from ..config import AdaSnapKVConfig
 
 EMPTY = -1
 """The position of a slot that holds nothing (masked in decode)."""

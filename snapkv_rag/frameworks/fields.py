@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from .adapters import LOADING_DEFAULTS, Lease, engine_from
+from .shared import LOADING_DEFAULTS, Lease, engine_from
 
 
 class EngineSpec(BaseModel):
@@ -18,7 +18,7 @@ class EngineSpec(BaseModel):
     Adapters that give the same loading parameters share one loaded engine (LangChain and LlamaIndex
     ones alike), so a second instance of a model is instant; each call sends its own instance's
     options. :meth:`close`, or the last holder being garbage-collected, releases it (see
-    :class:`snapkv_rag.adapters.Lease`). An ``engine=`` given is the caller's to close."""
+    :class:`snapkv_rag.frameworks.shared.Lease`). An ``engine=`` given is the caller's to close."""
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
 

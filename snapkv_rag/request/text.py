@@ -8,7 +8,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .config import PromptSpans
+from ..config import PromptSpans
 from .prompts import QUESTION_MARK, Document, DocumentLike, document_blocks, rag_user_message, to_documents
 from .tools import for_template, has_tool_section, normalise_tool_calls, render_without_tool_section
 
@@ -19,7 +19,7 @@ ROLES = ("system", "user", "assistant", "tool")
 @dataclass
 class Request:
     """One prompt ready to run: the text the model sees (chat template applied), its token ids and
-    the documents it numbers ``[1]..[N]``. ``constraint`` (a :class:`snapkv_rag.structured.Constraint`)
+    the documents it numbers ``[1]..[N]``. ``constraint`` (a :class:`snapkv_rag.request.structured.Constraint`)
     restricts the answer to a response format; ``cite`` is ``"json"`` in the cited-answer mode.
     ``spans``: where each document and the question lie in ``input_ids`` (``None`` without
     documents, or with a tokenizer that cannot map characters to tokens)."""
@@ -30,7 +30,7 @@ class Request:
     constraint: Any = None
     cite: str = "text"
     spans: PromptSpans | None = None
-    stored: Any = None  # a stored compressed document prefix it runs over (snapkv_rag.doc_store)
+    stored: Any = None  # a stored compressed document prefix it runs over (snapkv_rag.documents.store)
 
 
 @dataclass
@@ -81,7 +81,7 @@ def encode_request(tokenizer, messages: Sequence[Message], documents: Sequence[D
                    instruction: str, tools: list[dict] | None = None) -> Request:
     """The prompt of a conversation; with ``documents``, the last (user) message becomes the question
     of a RAG prompt (documents first, question last), through the model's chat template. ``tools``
-    (checked, see :mod:`snapkv_rag.tools`) go through the template's tools section where it has
+    (checked, see :mod:`snapkv_rag.request.tools`) go through the template's tools section where it has
     one, else into the system message as text."""
     messages = normalise_messages(messages)
     docs = to_documents(documents)

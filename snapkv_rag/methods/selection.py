@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .config import DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
+from ..config import DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
 
 NEG_INF = float("-inf")
 

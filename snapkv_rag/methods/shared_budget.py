@@ -7,8 +7,8 @@ whose positions score high keep more, the others less, down to none; the window 
 - ``share="layer"``: each layer keeps as many positions as the ranking gave it, split evenly between
   its heads (each head its own best), so the layer stays dense;
 - ``share="model"``: each (layer, head) keeps exactly what the ranking gave it; the layer is stored
-  padded to its widest head, empty slots at position :data:`~snapkv_rag.adaptive.EMPTY` (the
-  layout of :mod:`snapkv_rag.adaptive`).
+  padded to its widest head, empty slots at position :data:`~snapkv_rag.methods.adaptive.EMPTY` (the
+  layout of :mod:`snapkv_rag.methods.adaptive`).
 
 Scores are comparable across layers because they are attention weights (KVzip's re-read maxima).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .adaptive import keep_ranked
-from .compression import best_positions
+from .selection import best_positions
 
 SHARES = ("head", "layer", "model")
 
@@ -57,7 +57,7 @@ def keep_counts(scores: torch.Tensor, key_states: torch.Tensor, value_states: to
                 window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer of one prompt: each head's ``counts[h]`` best-scored prefix positions (``scores``
     ``[1, H, L - window]``) plus the last ``window`` positions of ``key_states`` / ``value_states``
-    ``[1, H, L, D]``, padded to the widest head (:func:`~snapkv_rag.adaptive.keep_ranked`)."""
+    ``[1, H, L, D]``, padded to the widest head (:func:`~snapkv_rag.methods.adaptive.keep_ranked`)."""
     widest = int(counts.max()) if counts.numel() else 0
     return keep_ranked(best_positions(scores.float(), widest), key_states, value_states, counts[None], window)
 

@@ -1,12 +1,12 @@
 """The prompt's side of the cache: one request's compressed prompt cache as a value, per layer kind
-(the kinds are read in :mod:`snapkv_rag.layer_kinds`, re-exported here).
+(the kinds are read in :mod:`snapkv_rag.models.layer_kinds`, re-exported here).
 
 - ``full``: full attention: the kept prompt positions (all of them, or what a method selected).
 - ``sliding``: a sliding-window layer (window ``W``: a query at position ``p`` sees ``p - W < k <= p``).
   After the prompt it can only ever see the last ``W - 1`` prompt positions, so that is its share;
   a method compresses inside that share when it exceeds the budget. A window longer than the
   prompt makes it a full layer for the prompt; positions leaving the window while decoding are
-  masked out (:mod:`snapkv_rag.slots`).
+  masked out (:mod:`snapkv_rag.kv.slot_cache`).
 - ``recurrent``: linear-attention / Mamba / conv state (Qwen3-Next, Nemotron-H, LFM2): transformers'
   own layer object, passed through untouched; ``none`` (MLP / MoE-only layers): nothing held.
 - an attention kind whose spec has ``state`` (Falcon-H1, Zamba): attention and a Mamba state in one
@@ -35,10 +35,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from . import adaptive, compression, shared_budget
-from .config import AdaSnapKVConfig, KVzipConfig, RandomConfig
-from .layer_kinds import (FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec, UnsupportedModelError,  # noqa: F401
-                          layer_specs)  # (re-exported: where callers found them before)
+from ..methods import adaptive, selection as compression, shared_budget
+from ..config import AdaSnapKVConfig, KVzipConfig, RandomConfig
+from ..models.layer_kinds import FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec, UnsupportedModelError, layer_specs
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""Stored document sets on disk: one safetensors file per set (:mod:`snapkv_rag.doc_store`).
+"""Stored document sets on disk: one safetensors file per set (:mod:`snapkv_rag.documents.store`).
 
 The tensors are ``layer.<i>.keys`` / ``.values`` / ``.positions`` per attention layer, packed
 without padding (every head's kept slots one after another, with ``.counts`` per head and the
-padded ``.width``: :mod:`snapkv_rag.ragged`; a layer that layout does not fit is saved padded, as
+padded ``.width``: :mod:`snapkv_rag.kv.ragged`; a layer that layout does not fit is saved padded, as
 every layer was in the first format, which still loads); a recurrent layer's state after the
 prefix is ``state.<i>.conv_states.<n>`` / ``.recurrent_states.<n>``, its flags in the metadata; the
 safetensors header's metadata holds one JSON string, ``snapkv_rag``: the file format, the
@@ -29,11 +29,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers.cache_utils import LinearAttentionLayer
 
-from . import ragged
-from .cache import LayerKV
-from .doc_store import Stored, documents_hash, entry_key, identity, method_from_json, method_json
-from .prompts import Document
-from .ragged import PackedKV
+from ..kv import ragged
+from ..kv.prompt_cache import LayerKV
+from .stored import Stored, documents_hash, entry_key, identity, method_from_json, method_json
+from ..request.prompts import Document
+from ..kv.ragged import PackedKV
 
 FORMAT = "snapkv-rag-documents/2"  # /2: ragged heads packed (ragged.PackedKV)
 READS = ("snapkv-rag-documents/1", FORMAT)  # /1: every layer padded to its widest head

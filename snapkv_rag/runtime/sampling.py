@@ -28,7 +28,7 @@ _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never overflows.
 _MIX_A, _MIX_B = 0x7FEB352D, 0x5BD1E995
 _WEYL = 0x9E3779B1  # spaces consecutive token indices apart before they are mixed
-from .config import MAX_LOGPROBS, MAX_N  # noqa: E402,F401 - answers per request; alternatives per token
+from ..config import MAX_LOGPROBS, MAX_N  # noqa: E402,F401 - answers per request; alternatives per token
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class SamplingOptions:
     """How tokens are picked: ``temperature`` 0 is greedy; ``top_p`` nucleus; ``seed`` for sampling;
     ``ignore_eos`` decodes exactly ``max_new_tokens`` tokens (for benchmarks, as vLLM's option);
     ``n`` answers from one prefill; ``logprobs`` (0..20 alternatives, ``None``: off) reports each
-    picked token's log-probability (:mod:`snapkv_rag.choices`)."""
+    picked token's log-probability (:mod:`snapkv_rag.runtime.choices`)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0

@@ -11,7 +11,7 @@ method's (its first token from the prompt's own logits), so only the selection d
 The request path, top to bottom (:func:`prefill`):
 
 1. the prompt runs once, compressed under the other methods of the call, its whole K/V and last
-   queries kept in a :class:`~snapkv_rag.prefix_cache.Capture` (and its recurrent states copied);
+   queries kept in a :class:`~snapkv_rag.kv.prefix_cache.Capture` (and its recurrent states copied);
 2. :func:`draft_and_vote`: greedy tokens over that whole prompt, each pass's K/V joining what the
    next sees; a pass runs the next token and a guess at those after it (:func:`guess`), keeping the
    guessed tokens the pass itself predicts, so that a copied phrase costs one pass, not one per
@@ -34,10 +34,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import tails
-from .cache import Compressed, LayerKV, PromptCache, Scoring, compress_layer
-from .config import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig
-from .prefix_cache import Capture, Prefix, PrefixLayer
+from ..kv import tails
+from ..kv.prompt_cache import Compressed, LayerKV, PromptCache, Scoring, compress_layer
+from ..config import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig
+from ..kv.prefix_cache import Capture, Prefix, PrefixLayer
 
 WHOLE = "\0whole"
 """The internal name of the full cache a call without any other method still needs for its prefill."""

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .engine import SnapKVLLM
-from .results import GenerationResult
+from ..engine import SnapKVLLM
+from ..request.results import GenerationResult
 from .threads import iterate_in_thread
 
 __all__ = ["LOADING_DEFAULTS", "CALL_OPTIONS", "IDLE_CLOSE_S", "Lease", "engine_from", "call_options", "result_metadata", "iterate_in_thread"]

@@ -1,7 +1,7 @@
 """A document prefix cache: the full, uncompressed K/V of a prompt's instruction + documents,
 kept after its prefill so that the next question over the same documents prefills only itself.
 
-What is cached: for a RAG prompt (documents first, question last, see :mod:`snapkv_rag.prompts`)
+What is cached: for a RAG prompt (documents first, question last, see :mod:`snapkv_rag.request.prompts`)
 the tokens before ``"Question: "`` -- chat template head, system turn, documents, instruction --
 per attention layer their keys and values, and the queries of their last :data:`QUERY_TAIL`
 positions (an observation window that reaches back into the instruction votes with them). The
@@ -20,7 +20,7 @@ the keys the model expands from them over the whole prompt). Recurrent and hybri
 conv / SSM states at the prefix's end are stored too; a whole-prompt prefill does not pass through
 that point, so a prompt whose prefix is stored runs in two passes (the prefix, kept; then the rest
 from it, as on a hit), where the model continues a state through a multi-token pass
-(:func:`snapkv_rag.layer_kinds.state_break`; else they are not cached, and the log says why). Not cached (a full prefill, said
+(:func:`snapkv_rag.models.layer_kinds.state_break`; else they are not cached, and the log says why). Not cached (a full prefill, said
 once in the log): H2O, which votes with every prompt query.
 
 Entries are immutable: stored as clones, and a hit concatenates them with the new tokens' K/V
@@ -37,8 +37,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .config import H2OConfig, SnapKVConfig
-from .layer_kinds import FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec
+from ..config import H2OConfig, SnapKVConfig
+from ..models.layer_kinds import FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec
 from .lru import ByteLRU
 
 log = logging.getLogger("snapkv_rag")
@@ -121,7 +121,7 @@ def boundary(input_ids: Sequence[int], spans) -> int | None:
 def unsupported(specs: Sequence[LayerSpec], state_break: str | None = "no multi-token continuation") -> str | None:
     """Why a model's prompts cannot be reused from a prefix (``None``: they can). ``state_break``: why
     a prompt's rest cannot run on from stored recurrent states in one pass
-    (:func:`snapkv_rag.layer_kinds.state_break`; ``None``: it can)."""
+    (:func:`snapkv_rag.models.layer_kinds.state_break`; ``None``: it can)."""
     if state_break is not None and any(spec.state for spec in specs):
         return f"its recurrent layers cannot be continued: {state_break}"
     for i, spec in enumerate(specs):

@@ -12,8 +12,8 @@
 each attention layer is compressed right after its attention, once per method, so several methods
 share one prefill. With a ``boundary`` (a RAG prompt's tokens before its question) and a prefix
 cache, a prompt whose prefix was prefilled before runs only its rest on top of the cached K/V
-(:mod:`snapkv_rag.prefix_cache`); the compression is the same. :meth:`Runner.decode_step` runs one token for rows ``[0, b)`` of a
-:class:`~snapkv_rag.slots.SlotCache` and picks the next tokens on the device: greedy inside the
+(:mod:`snapkv_rag.kv.prefix_cache`); the compression is the same. :meth:`Runner.decode_step` runs one token for rows ``[0, b)`` of a
+:class:`~snapkv_rag.kv.slot_cache.SlotCache` and picks the next tokens on the device: greedy inside the
 step; rows that sample or follow a grammar are picked by the caller's ``pick`` after it.
 
 With ``compile``, the step of each (batch bucket, cache allocation) is compiled once, lazily at its
@@ -34,11 +34,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import attention, layer_kinds, lookahead, prefix_cache, tails
-from .cache import Compressed, PromptCache, compressing, layer_specs
-from .config import KVzipConfig, LookaheadSnapKVConfig
-from .prefix_cache import PrefixCache
-from .slots import SlotCache
+from . import attention, draft as lookahead
+from ..models import layer_kinds
+from ..kv import prefix_cache, tails
+from ..kv.prompt_cache import Compressed, PromptCache, compressing, layer_specs
+from ..config import KVzipConfig, LookaheadSnapKVConfig
+from ..kv.prefix_cache import PrefixCache
+from ..kv.slot_cache import SlotCache
 
 log = logging.getLogger("snapkv_rag")
 
@@ -125,13 +127,13 @@ class Runner:
         """Run ``prompts`` once (left padded) and compress them under every method of ``methods``
         (name -> config, ``None`` for the full cache). Only the kept caches differ: the prefill
         itself sees the whole prompt. ``boundary`` (one prompt): its first ``boundary`` tokens are
-        a document prefix (:mod:`snapkv_rag.prefix_cache`): taken from the prefix cache when there,
+        a document prefix (:mod:`snapkv_rag.kv.prefix_cache`): taken from the prefix cache when there,
         else kept in it after this prefill; the selection is the same either way. A KVzip method
         (:class:`KVzipConfig`) runs its re-read in the same pass: the prompt, then the repeat
         instruction and the prompt again (see :meth:`_with_reread`; no prefix is reused then); a model
         with recurrent layers runs the prompt alone once more first, for their states after it. A lookahead
         method (:class:`LookaheadSnapKVConfig`) first drafts over the whole prompt
-        (:mod:`snapkv_rag.lookahead`), kept in ``whole``: a capture of every position, not stored."""
+        (:mod:`snapkv_rag.runtime.draft`), kept in ``whole``: a capture of every position, not stored."""
         if any(isinstance(m, LookaheadSnapKVConfig) for m in methods.values()):
             return lookahead.prefill(self, prompts, methods)
         self.attach()
@@ -187,11 +189,11 @@ class Runner:
 
     def prefill_stored(self, stored, ids: list[int]) -> Prefilled:
         """Run only ``ids[stored.length:]`` (the tail of a prompt over a stored compressed document
-        set, :mod:`snapkv_rag.doc_store`) on top of the stored kept K/V, at the positions the tail has
-        in the whole prompt; the tail is kept whole (:mod:`snapkv_rag.tails`); recurrent layers
+        set, :mod:`snapkv_rag.documents.store`) on top of the stored kept K/V, at the positions the tail has
+        in the whole prompt; the tail is kept whole (:mod:`snapkv_rag.kv.tails`); recurrent layers
         start from the stored states (one token per step where transformers cannot continue them
         in one pass: ``one_pass_tail``). A stitched document prompt
-        (:mod:`snapkv_rag.stitch`) prefills itself."""
+        (:mod:`snapkv_rag.documents.stitch`) prefills itself."""
         self.attach()
         if hasattr(stored, "prefill"):
             return stored.prefill(self, ids)

@@ -1,12 +1,12 @@
 """Prompt passes that start from, or keep, less than a whole prompt's cache: a question's tail over
-a stored compressed document set (:mod:`snapkv_rag.doc_store`), and a pass that keeps only the
+a stored compressed document set (:mod:`snapkv_rag.documents.store`), and a pass that keeps only the
 recurrent states (KVzip's re-read on a model with recurrent layers).
 
 A tail over a stored set runs on top of the stored kept K/V at the positions it has in the whole
 prompt, and is kept whole (:func:`tail_hook`). On a model with recurrent layers (Mamba, linear
 attention, short convolutions; hybrid layers) the tail starts from copies of the stored states
 (:func:`with_states`). Where the model continues a state through a multi-token pass
-(:func:`snapkv_rag.layer_kinds.state_break` is ``None``: most families from transformers 5.17) the tail
+(:func:`snapkv_rag.models.layer_kinds.state_break` is ``None``: most families from transformers 5.17) the tail
 is one pass; elsewhere (Jamba, older transformers) it goes one token per step (:func:`stepwise_tail`: a
 one-token step is how every model decodes from a state), the attention layers seeing the stored slots
 and the tail so far.
@@ -20,8 +20,8 @@ from typing import Callable, Sequence
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
-from .cache import LayerKV, PromptCache, PromptLayer, move_state
-from .layer_kinds import ONE_PASS, ONE_PASS_FROM  # noqa: F401 (where the tests read them)
+from .prompt_cache import LayerKV, PromptCache, PromptLayer, move_state
+from ..models.layer_kinds import ONE_PASS, ONE_PASS_FROM  # noqa: F401 (where the tests read them)
 
 
 def tail_hook(cache, layers: Sequence[LayerKV | None], length: int, total: int):
@@ -111,7 +111,7 @@ def held_states(layers: Sequence) -> tuple:
 
 def capture_only(cache: PromptCache, capture) -> PromptCache:
     """``cache`` set to hand each attention layer's K/V and queries to ``capture`` (a
-    :class:`~snapkv_rag.prefix_cache.Capture`) and keep nothing else: a pass over a prefix alone,
+    :class:`~snapkv_rag.kv.prefix_cache.Capture`) and keep nothing else: a pass over a prefix alone,
     which leaves the recurrent states at its end (:func:`states_of`)."""
 
     def hook(layer_idx: int, query, vote_keys, scoring) -> None:

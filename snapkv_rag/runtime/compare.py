@@ -18,12 +18,13 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import cited, compression
-from .results import GenerationResult, Timings, finish_result
+from ..request import cited
+from ..methods import selection as compression
+from ..request.results import GenerationResult, Timings, finish_result
 from .sampling import SamplingOptions
 from .scheduler import Outcome, Scheduler
-from .slots import SlotCache
-from .text import Request
+from ..kv.slot_cache import SlotCache
+from ..request.text import Request
 
 FULL = "\0full"  # the recording full cache's name (not a name a caller can give)
 

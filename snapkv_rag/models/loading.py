@@ -184,7 +184,7 @@ def load(model: str | os.PathLike | None = None, *, device: str | None = None,
          dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer. ``model=None`` is the embedded default model. The
     attention implementation is transformers' default for the model; the engine then switches it
-    (:func:`snapkv_rag.attention.resolve_implementation`)."""
+    (:func:`snapkv_rag.runtime.attention.resolve_implementation`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = str(check_device(device)) if device is not None else default_device()

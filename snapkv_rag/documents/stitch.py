@@ -38,10 +38,11 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from .cache import Compressed, LayerKV
-from .doc_store import PLACEHOLDER, DocumentHandle, identity, unsupported
-from .lru import ByteLRU
-from .prompts import DocumentLike, to_documents
+from ..kv.prompt_cache import Compressed, LayerKV
+from .store import PLACEHOLDER, DocumentHandle, unsupported
+from .stored import identity
+from ..kv.lru import ByteLRU
+from ..request.prompts import DocumentLike, to_documents
 
 DEFAULT_BYTES = 1 << 30
 ROTATIONS = ("default", "linear", "llama3")
@@ -213,7 +214,7 @@ class Bound:
 
     def prefill(self, runner, ids: list[int]):
         """The stitched cache of the prompt ``ids`` and its next-token logits (a runner ``Prefilled``)."""
-        from .runner import Prefilled
+        from ..runtime.runner import Prefilled
 
         handle, begin = self.handle, time.perf_counter()
         with runner.lock, torch.inference_mode():
@@ -279,7 +280,7 @@ class StitchAPI:
     def reuse_documents(self, documents: Sequence[DocumentLike], recompute: float = 0.15) -> StitchedDocuments:
         """A handle on ``documents`` (in this prompt's order) whose caches are computed once per
         document and stitched wherever the document sits, the ``recompute`` share of reused tokens
-        that deviate most recomputed (:mod:`snapkv_rag.stitch`). Opt-in: answers can differ from a
+        that deviate most recomputed (:mod:`snapkv_rag.documents.stitch`). Opt-in: answers can differ from a
         full prefill's (``python -m evals.stitch`` measures it). The cache decodes whole."""
         return StitchedDocuments(self, documents, recompute)
 

@@ -1,8 +1,8 @@
-"""Ragged heads without padding, for what is stored between requests (:mod:`snapkv_rag.doc_store`).
+"""Ragged heads without padding, for what is stored between requests (:mod:`snapkv_rag.documents.store`).
 
 A layer whose heads keep different counts (KVzip's model-wide ranking, Ada-SnapKV) is computed and
 decoded padded to its widest head: per head the empty slots first, at position ``-1`` with zero K/V,
-then the kept ones (:mod:`snapkv_rag.adaptive`). Stored like that, a document set holds the padding
+then the kept ones (:mod:`snapkv_rag.methods.adaptive`). Stored like that, a document set holds the padding
 too (about 0.70 of the full cache's bytes for KVzip at half the positions kept). Packed, it holds
 only what was kept:
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import LayerKV
+from .prompt_cache import LayerKV
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """A least-recently-used map bounded by the bytes its entries hold: what the document prefix cache
-(:mod:`snapkv_rag.prefix_cache`) and the compressed document store (:mod:`snapkv_rag.doc_store`)
+(:mod:`snapkv_rag.kv.prefix_cache`) and the compressed document store (:mod:`snapkv_rag.documents.store`)
 keep their entries in. Not locked: each owner holds its own lock around it."""
 
 from __future__ import annotations

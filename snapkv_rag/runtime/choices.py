@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from .results import GenerationResult, TokenLogprob, TopLogprob, Usage
+from ..request.results import GenerationResult, TokenLogprob, TopLogprob, Usage
 from .sampling import SamplingOptions, logprobs as log_probabilities
-from .text import Request
+from ..request.text import Request
 
 
 class Piece(str):

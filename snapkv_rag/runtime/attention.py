@@ -5,9 +5,9 @@
 (``snapkv_cache=`` among the model's keyword arguments, which transformers hands to every
 attention call):
 
-- a prompt (:class:`~snapkv_rag.cache.PromptCache`): right after a layer's attention, inside the
+- a prompt (:class:`~snapkv_rag.kv.prompt_cache.PromptCache`): right after a layer's attention, inside the
   runner's ``with compressing(...)`` block, that layer's K/V are compressed;
-- a decode step (:class:`~snapkv_rag.slots.SlotCache`): the layer attends over its whole fixed
+- a decode step (:class:`~snapkv_rag.kv.slot_cache.SlotCache`): the layer attends over its whole fixed
   buffer with its own mask (:meth:`SlotCache.begin_step`); a one-token query ``[B, H, 1, D]`` is
   viewed as ``[B, H_kv, H/H_kv, D]`` so that the ``[B, H_kv, 1, S]`` mask broadcasts and no KV head
   is repeated.
@@ -31,8 +31,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .cache import PromptLayer, Scoring
-from .slots import SlotLayer
+from ..kv.prompt_cache import PromptLayer, Scoring
+from ..kv.slot_cache import SlotLayer
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 PREFIX = "snapkv_"
@@ -66,7 +66,7 @@ def _decode_mask(valid: torch.Tensor, query: torch.Tensor, base: str) -> torch.T
 
 def _over_stored(layer, query: torch.Tensor, base: str) -> torch.Tensor | None:
     """The mask of a prompt's tail over a stored compressed set (a prefix with kept ``positions``,
-    :mod:`snapkv_rag.doc_store`): the stored slots that hold a position (a ragged layer's empty ones
+    :mod:`snapkv_rag.documents.store`): the stored slots that hold a position (a ragged layer's empty ones
     do not), then the tail causally; in a sliding layer, only what lies inside each tail query's
     window. The model's own mask assumes one length for every layer, which a set with per-layer
     budgets does not have. ``None`` otherwise."""
