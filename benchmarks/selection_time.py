@@ -19,7 +19,6 @@ import torch
 
 from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, PromptSpans, SnapKVConfig
 from snapkv_rag.methods.adaptive import ada_snapkv_select
-from snapkv_rag.methods.selection import select
 
 
 def spans_for(tokens: int, documents: int, tail: int = 60, head: int = 30) -> PromptSpans:
@@ -46,8 +45,8 @@ def main() -> None:
     for share in args.shares:
         budget = round(share * args.tokens)
         ada = AdaSnapKVConfig(max_capacity_prompt=budget)
-        methods = {"plain": lambda c=SnapKVConfig(max_capacity_prompt=budget): select(c, query, keys, values, None, 0, 30),
-                   "doc": lambda c=DocSnapKVConfig(max_capacity_prompt=budget, spans=spans): select(c, query, keys, values,
+        methods = {"plain": lambda c=SnapKVConfig(max_capacity_prompt=budget): c.select(query, keys, values, None, 0, 30),
+                   "doc": lambda c=DocSnapKVConfig(max_capacity_prompt=budget, spans=spans): c.select(query, keys, values,
                                                                                                    None, 0, 30),
                    "ada": lambda: ada_snapkv_select(query[..., -ada.window_size:, :], keys, values, ada)}
         times = {name: [] for name in methods}

@@ -17,10 +17,10 @@ except metadata.PackageNotFoundError:  # run from a source tree that was never i
 
 _WHERE = {
     "SnapKVLLM": "engine", "ContextLengthError": "engine", "GenerationOutOfMemoryError": "engine",
-    "SnapKVConfig": "config", "PyramidKVConfig": "config", "StreamingLLMConfig": "config",
-    "H2OConfig": "config", "RandomConfig": "config", "DocSnapKVConfig": "config", "AdaSnapKVConfig": "config",
-    "LookaheadSnapKVConfig": "config",
-    "KeyNormConfig": "config", "KVzipConfig": "config",
+    "SnapKVConfig": "methods", "PyramidKVConfig": "methods", "StreamingLLMConfig": "methods",
+    "H2OConfig": "methods", "RandomConfig": "methods", "DocSnapKVConfig": "methods", "AdaSnapKVConfig": "methods",
+    "LookaheadSnapKVConfig": "methods",
+    "KeyNormConfig": "methods", "KVzipConfig": "methods",
     "PromptSpans": "config",
     "Document": "request.prompts", "parse_citations": "request.prompts",
     "GenerationResult": "request.results", "CompressionStats": "request.results", "Timings": "request.results", "Usage": "request.results",
@@ -42,7 +42,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from .config import AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PromptSpans, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
+    from .config import PromptSpans
+    from .methods import AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
     from .engine import ContextLengthError, GenerationOutOfMemoryError, SnapKVLLM
     from .models.loading import ModelLoadError
     from .request.prompts import Document, parse_citations

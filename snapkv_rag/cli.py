@@ -9,7 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from .config import AdaSnapKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig
+from .methods import SnapKVConfig, method_class
+from .methods.registry import names_with
 from .request.files import DOC_SUFFIXES, DocumentFileError, collect_documents
 from .server import options as serve_options
 
@@ -18,6 +19,8 @@ DEMO_FILE = Path(__file__).with_name("data") / "demo.jsonl"
 FLAGS = {"max_capacity_prompt": "--budget", "window_size": "--window", "kernel_size": "--kernel",
          "pooling": "--pooling", "max_new_tokens": "--max-new-tokens", "device": "--device", "dtype": "--dtype",
          "model": "--model"}
+CLI_METHODS = tuple(names_with("window_size", "kernel_size", "pooling"))
+"""The methods --method offers: those the --window / --kernel / --pooling flags apply to."""
 COMPRESSION_DEFAULTS = {"method": "snapkv", "budget": 1024, "window": 32, "kernel": 7, "pooling": "max"}
 log = logging.getLogger("snapkv_rag.cli")
 
@@ -112,11 +115,11 @@ def budget_value(text: str) -> int | float:
 
 def _snapkv(budget: int | float, settings: dict) -> SnapKVConfig:
     size = {"ratio": budget} if isinstance(budget, float) else {"max_capacity_prompt": budget}
-    method = {"docsnapkv": DocSnapKVConfig, "adasnapkv": AdaSnapKVConfig, "keynorm": KeyNormConfig,
-              "kvzip": KVzipConfig, "lookahead": LookaheadSnapKVConfig}.get(settings["method"], SnapKVConfig)
+    method = method_class(settings["method"])
     shape = {"window_size": settings["window"], "kernel_size": settings["kernel"], "pooling": settings["pooling"]}
-    if method is KVzipConfig and "kernel" not in settings.get("given", ()):
-        del shape["kernel_size"]  # its own default (no pooling), unless --kernel says otherwise
+    given = settings.get("given", ())
+    if "kernel" not in given and method.kernel_size != SnapKVConfig.kernel_size:
+        del shape["kernel_size"]  # the method's own default (KVzip's: no pooling), unless --kernel says otherwise
     try:
         return method(**size, **shape)
     except ValueError as error:
@@ -239,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32 on CPU)")
     common.add_argument("--budget", type=budget_value, default=None, help="prompt tokens kept per layer and KV "
                         "head (512), or a share of each prompt (50%%, never below 128 tokens); default 1024 tokens")
-    common.add_argument("--method", default=None, choices=("snapkv", "docsnapkv", "adasnapkv", "lookahead", "keynorm", "kvzip"),
+    common.add_argument("--method", default=None, choices=CLI_METHODS,
                         help="snapkv; docsnapkv: document-aware SnapKV (keeps the instruction and question, shares "
                         "the budget between the documents by the votes they get); adasnapkv: head-adaptive SnapKV (the layer's budget "
                         "shared between its heads by vote); lookahead: head-adaptive SnapKV whose votes also come from the first "

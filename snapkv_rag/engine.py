@@ -21,7 +21,7 @@ from .request import cited, structured
 from .documents import store as doc_store, stitch
 from .models import loading
 from .kv import prefix_cache
-from .config import COMPRESSION_CONFIGS, SnapKVConfig
+from .methods import SnapKVConfig, is_method
 from .request.prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
 from .request.results import GenerationResult, Timings, finish_result
 from .runtime.runner import Runner
@@ -50,7 +50,7 @@ def check_config(snapkv: Any):
         return None
     if snapkv is True:
         return SnapKVConfig()
-    if not isinstance(snapkv, COMPRESSION_CONFIGS):
+    if not is_method(snapkv):
         raise TypeError(f"snapkv: expected a SnapKVConfig (or another compression config), True, False or None; "
                         f"got {type(snapkv).__name__}")
     return snapkv

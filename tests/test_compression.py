@@ -155,9 +155,8 @@ def test_random_is_seeded_and_pyramid_budgets_average_out():
 def test_every_method_keeps_a_prompt_no_longer_than_its_budget(config, length):
     # a prompt shorter than the recent window itself included (a short question in an eval cell
     # whose budget comes from the cell's mean prompt)
-    from snapkv_rag.methods.selection import select
 
     q, k, v = random_qkv(length=length, window=length)
-    keys, values, kept = select(config, q, k, v, None, layer_idx=0, num_layers=2)
+    keys, values, kept = config.select(q, k, v, None, layer_idx=0, num_layers=2)
     assert torch.equal(keys, k) and torch.equal(values, v)
     assert kept[0, 0].tolist() == list(range(length))

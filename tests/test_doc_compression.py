@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from snapkv_rag import DocSnapKVConfig, PromptSpans, SnapKVConfig
-from snapkv_rag.methods.selection import doc_snapkv_select, select, share_budget, snapkv_select
+from snapkv_rag.methods.selection import doc_snapkv_select, share_budget, snapkv_select
 from snapkv_rag.request.prompts import DEFAULT_INSTRUCTION, to_documents
 from snapkv_rag.request.text import encode_request
 
@@ -79,7 +79,7 @@ def test_without_spans_it_is_plain_snapkv():
         torch.randn(2, 2, LENGTH, DIM, generator=g)
     doc = DocSnapKVConfig(max_capacity_prompt=20, window_size=8)
     plain = SnapKVConfig(max_capacity_prompt=20, window_size=8)
-    ours, reference = select(doc, q, k, v, None, 0, 2), select(plain, q, k, v, None, 0, 2)
+    ours, reference = doc.select(q, k, v, None, 0, 2), plain.select(q, k, v, None, 0, 2)
     assert all(torch.equal(a, b) for a, b in zip(ours, reference))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from snapkv_rag import KeyNormConfig, KVzipConfig, SnapKVConfig, SnapKVLLM
-from snapkv_rag.methods.selection import key_norm_select, reread_scores, select
+from snapkv_rag.methods.selection import key_norm_select, reread_scores
 
 from families import tiny_model
 from snapkv_testing import filler_documents, seeded, tiny_llama
@@ -50,11 +50,11 @@ def test_key_norm_does_not_look_at_the_question():
     cfg = KeyNormConfig(max_capacity_prompt=16, window_size=4)
     g = seeded(4)
     k, v = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
-    picks = {tuple(select(cfg, torch.randn(1, 4, 40, 8, generator=g), k, v, None, 0, 2)[2].flatten().tolist())
+    picks = {tuple(cfg.select(torch.randn(1, 4, 40, 8, generator=g), k, v, None, 0, 2)[2].flatten().tolist())
              for _ in range(3)}
     assert len(picks) == 1  # three different "questions", one selection
     snap = SnapKVConfig(max_capacity_prompt=16, window_size=4)
-    assert len({tuple(select(snap, torch.randn(1, 4, 40, 8, generator=g), k, v, None, 0, 2)[2].flatten().tolist())
+    assert len({tuple(snap.select(torch.randn(1, 4, 40, 8, generator=g), k, v, None, 0, 2)[2].flatten().tolist())
                 for _ in range(3)}) > 1  # while SnapKV's depends on it
 
 

@@ -6,7 +6,7 @@
 
 What is stored: the prompt's tokens before its question (chat template head, documents,
 instruction: the prefix the document prefix cache also cuts at, :func:`snapkv_rag.kv.prefix_cache.boundary`)
-compressed by a *query-agnostic* method (:data:`snapkv_rag.documents.stored.QUERY_AGNOSTIC`): per attention layer the kept keys,
+compressed by a *query-agnostic* method (:func:`snapkv_rag.documents.stored.storable`): per attention layer the kept keys,
 values and their original positions. A question over the handle prefills only the tail (``"Question:
 ..."`` and the chat template's end) on top of the kept K/V, at the positions it has in the whole
 prompt (the cache's positions go on from the uncompressed length, as every compressed row's do), and
@@ -241,7 +241,7 @@ class DocumentsAPI:
 
     def index_documents(self, documents: Sequence[DocumentLike], method: Any = 0.5) -> DocumentSet:
         """Prefill the instruction + ``documents`` once, compress them with a query-agnostic
-        ``method`` (a :class:`~snapkv_rag.config.KeyNormConfig`, ``KVzipConfig``, ``StreamingLLMConfig``,
+        ``method`` (a :class:`~snapkv_rag.methods.KeyNormConfig`, ``KVzipConfig``, ``StreamingLLMConfig``,
         ``RandomConfig``, a fraction: key-norm keeping that share, default 0.5; ``None``: kept whole)
         and keep the result in the document store. Returns the handle to ask over:
         ``handle.generate(q)`` or ``generate(q, handle)`` prefills only the question."""

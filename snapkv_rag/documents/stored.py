@@ -12,14 +12,22 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Sequence
 
-from ..config import KeyNormConfig, KVzipConfig, RandomConfig, StreamingLLMConfig
+from ..methods import METHODS, KeyNormConfig
+from ..methods.registry import by_class_name
 from ..kv import prefix_cache, ragged, tails
 from ..kv.prompt_cache import LayerKV
 from ..kv.ragged import PackedKV
 from ..request.prompts import Document
 
-QUERY_AGNOSTIC = (KeyNormConfig, KVzipConfig, StreamingLLMConfig, RandomConfig)
-"""Methods whose selection never looks at the question (``None``, the full cache, too)."""
+
+def storable(method: Any) -> bool:
+    """Whether a compressed cache of ``method`` may be stored and asked many questions: its selection
+    never looks at the question (``method.query_agnostic``), or it keeps everything (``None``)."""
+    return method is None or bool(getattr(method, "query_agnostic", False))
+
+
+def _storable_names() -> str:
+    return ", ".join(cls.__name__ for cls in METHODS.values() if cls.query_agnostic)
 
 
 def check_method(method: Any):
@@ -27,12 +35,12 @@ def check_method(method: Any):
     at that ratio) or ``None`` (the prefix kept whole)."""
     if isinstance(method, float) and not isinstance(method, bool):
         return KeyNormConfig(ratio=method)
-    if method is None or type(method) in QUERY_AGNOSTIC:
+    if storable(method):
         return method
     name = getattr(method, "method", type(method).__name__)
     raise ValueError(f"method: {name} chooses what to keep from the question's attention, so its cache fits "
-                     "one question only; a stored document cache needs a query-agnostic method: KeyNormConfig, "
-                     "KVzipConfig, StreamingLLMConfig, RandomConfig, a fraction (key-norm at that ratio) or None")
+                     f"one question only; a stored document cache needs a query-agnostic method: {_storable_names()}, "
+                     "a fraction (key-norm at that ratio) or None")
 
 
 def method_json(method) -> dict | None:
@@ -43,10 +51,9 @@ def method_json(method) -> dict | None:
 def method_from_json(data: dict | None):
     if data is None:
         return None
-    classes = {cls.__name__: cls for cls in QUERY_AGNOSTIC}
     fields = dict(data)
-    cls = classes.get(fields.pop("class", None))
-    if cls is None:
+    cls = by_class_name(fields.pop("class", None))
+    if cls is None or not cls.query_agnostic:
         raise ValueError(f"method: {data.get('class')!r} is not a query-agnostic method of this library")
     return cls(**fields)
 

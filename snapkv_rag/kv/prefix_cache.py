@@ -37,7 +37,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..config import H2OConfig, SnapKVConfig
 from ..models.layer_kinds import FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec
 from .lru import ByteLRU
 
@@ -133,13 +132,13 @@ def unsupported(specs: Sequence[LayerSpec], state_break: str | None = "no multi-
 
 def queries_needed(methods: Mapping[str, Any]) -> int | None:
     """How many of the prompt's last queries the selection reads under ``methods`` (``None``: all
-    of them, H2O; it is then not served from a prefix)."""
+    of them, H2O's; it is then not served from a prefix)."""
     needed = 0
     for method in methods.values():
-        if isinstance(method, H2OConfig):
+        wanted = 0 if method is None else method.prompt_queries
+        if wanted is None:
             return None
-        if isinstance(method, SnapKVConfig):  # PyramidKV and document-aware SnapKV included
-            needed = max(needed, method.window_size)
+        needed = max(needed, wanted)
     return needed
 
 

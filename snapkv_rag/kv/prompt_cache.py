@@ -35,8 +35,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from ..methods import adaptive, selection as compression, shared_budget
-from ..config import AdaSnapKVConfig, KVzipConfig, RandomConfig
+from ..methods import adaptive, selection, shared_budget
 from ..models.layer_kinds import FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec, UnsupportedModelError, layer_specs
 
 
@@ -236,11 +235,11 @@ class _Compressor:
         memo: dict = {}  # this layer's KVzip scores, shared by the methods that differ only in budget
         for name, method in self.methods.items():
             begin = _clock(keys)
-            if isinstance(method, KVzipConfig) and method.share != "head" and layer.spec.window is None:  # ranked at the end
+            if method is not None and method.rereads and method.ranked_across_layers(layer.spec.window is not None):
                 self.ranked.setdefault(name, {})[layer_idx] = reread_layer_scores(
                     method, layer_idx, len(self.cache.specs), query, keys, values, vote_keys, scoring, self.reread, memo)
                 rows = [None]
-            elif isinstance(method, KVzipConfig):
+            elif method is not None and method.rereads:
                 rows = compress_reread_layer(method, layer.spec, layer_idx, len(self.cache.specs), query, keys,
                                              values, vote_keys, scoring, self.reread)
             else:  # the prompt's part of a pass with a re-read after it, or the whole pass
@@ -262,13 +261,13 @@ def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[in
     ``methods`` (name -> config, ``None`` for the full cache). Yields name -> one :class:`Compressed`
     per row, complete when the block ends (recurrent layers and hybrid layers' states: each gets its
     own copy of the state). ``reread``: the pass is one prompt of ``lengths[0]`` tokens followed by
-    ``reread`` tokens of KVzip's re-read (:class:`~snapkv_rag.config.KVzipConfig`), which vote for
+    ``reread`` tokens of KVzip's re-read (:class:`~snapkv_rag.methods.KVzipConfig`), which vote for
     that method and are cut off for every method; the recurrent states are then taken from ``states``
     (a pass over the prompt alone that keeps no K/V, run by ``Runner.prefill``), since this pass runs them on through the
     re-read."""
     if not methods:
         raise ValueError("compression: give at least one method")
-    if any(isinstance(m, KVzipConfig) for m in methods.values()) and not (reread and len(lengths) == 1):
+    if any(m is not None and m.rereads for m in methods.values()) and not (reread and len(lengths) == 1):
         raise ValueError("kvzip: the pass must hold one prompt and its re-read (Runner.prefill builds it)")
     if reread and states is None and any(spec.state for spec in cache.specs):
         raise ValueError("kvzip: a model with recurrent layers needs their states after the prompt alone "
@@ -321,7 +320,7 @@ def compress_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, que
     starts = [length - (real if spec.window is None else min(real, spec.window - 1)) for real in lengths]
     # rows of equal length select together; otherwise (and for the seeded random baseline, whose
     # draws depend on the batch shape) each row alone
-    uniform = len(set(lengths)) == 1 and not isinstance(method, RandomConfig)
+    uniform = len(set(lengths)) == 1 and not (method is not None and method.per_row)
     groups = [(slice(None), starts[0])] if uniform else [(slice(b, b + 1), starts[b]) for b in range(len(lengths))]
     out = []
     for rows, start in groups:
@@ -332,17 +331,13 @@ def compress_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, que
             kept = torch.arange(k.shape[-2], device=k.device).expand(k.shape[0], k.shape[1], -1)
         elif latent:
             voters = vote_keys[rows, :, start:]
-            kept = compression.select(method, q, voters, voters, None, layer_idx, num_layers, shared=True,
-                                      **scoring.as_kwargs())[2][:, :1].expand(k.shape[0], k.shape[1], -1)
-            k, v = compression.gather_positions(k, kept), compression.gather_positions(v, kept)
-        elif isinstance(method, AdaSnapKVConfig):  # ragged heads: empty slots at position -1
-            k, v, kept = adaptive.ada_snapkv_select(q[..., -method.window_size:, :], k, v, method,
-                                                    capacity=method.budget_for_layer(layer_idx, num_layers),
-                                                    **scoring.as_kwargs())
-        else:
-            k, v, kept = compression.select(method, q, k, v, None, layer_idx, num_layers, **scoring.as_kwargs())
+            kept = method.select(q, voters, voters, None, layer_idx, num_layers, shared=True,
+                                 **scoring.as_kwargs())[2][:, :1].expand(k.shape[0], k.shape[1], -1)
+            k, v = selection.gather_positions(k, kept), selection.gather_positions(v, kept)
+        else:  # a ragged method's heads: empty slots at position -1
+            k, v, kept = method.select(q, k, v, None, layer_idx, num_layers, **scoring.as_kwargs())
         out += [LayerKV(k[b:b + 1], v[b:b + 1], kept[b:b + 1] + start) for b in range(k.shape[0])]
-    if isinstance(method, AdaSnapKVConfig):  # ragged heads: empty slots stay at -1, columns no head uses go
+    if method is not None and method.ragged:  # ragged heads: empty slots stay at -1, columns no head uses go
         return [LayerKV(*adaptive.trim_padding(kv.keys, kv.values, torch.where(kv.positions >= start,
                                                                                kv.positions - (length - real), -1)))
                 for kv, start, real in zip(out, starts, lengths)]
@@ -361,12 +356,12 @@ def compress_reread_layer(method, spec: LayerSpec, layer_idx: int, num_layers: i
     voters, k, v = vote_keys[:, :, start:], keys[:, :, start:length], values[:, :, start:length]
     readers = query[:, :, length:]
     if vote_keys.shape != keys.shape:  # multi-head latent attention: one selection for every head
-        kept = compression.kvzip_select(readers, voters, voters[:, :, : length - start], method, capacity=budget,
+        kept = selection.kvzip_select(readers, voters, voters[:, :, : length - start], method, capacity=budget,
                                         shared=True, sinks_from=start, **scoring.as_kwargs())[2][:, :1].expand(
                                             k.shape[0], k.shape[1], -1)
-        k, v = compression.gather_positions(k, kept), compression.gather_positions(v, kept)
+        k, v = selection.gather_positions(k, kept), selection.gather_positions(v, kept)
     else:
-        k, v, kept = compression.kvzip_select(readers, voters, v, method, capacity=budget, sinks_from=start,
+        k, v, kept = selection.kvzip_select(readers, voters, v, method, capacity=budget, sinks_from=start,
                                               **scoring.as_kwargs())
     return [LayerKV(k, v, kept + start)]
 
@@ -385,7 +380,7 @@ def reread_layer_scores(method, layer_idx: int, num_layers: int, query: torch.Te
     window = min(method.window_size, length)
     settings = (method.window_size, method.kernel_size, method.pooling, method.chunk, method.sink_tokens)
     if settings not in memo:
-        memo[settings] = compression.kvzip_scores(query[:, :, length:], vote_keys, length, method,
+        memo[settings] = selection.kvzip_scores(query[:, :, length:], vote_keys, length, method,
                                                   shared=vote_keys.shape != keys.shape, **scoring.as_kwargs())
     prefix = memo[settings]
     return prefix, k, v, window, prefix.shape[1] * (budget - window)

@@ -1,4 +1,4 @@
-"""Head-adaptive budgets (Ada-SnapKV, :class:`~snapkv_rag.config.AdaSnapKVConfig`) and the ragged
+"""Head-adaptive budgets (Ada-SnapKV, :class:`~snapkv_rag.methods.ada.AdaSnapKVConfig`) and the ragged
 cache they need.
 
 A layer's prefix budget ``H_kv x (capacity - window)`` is shared between its heads by SnapKV's
@@ -13,10 +13,14 @@ alone. Bytes held: ``H_kv x (largest head + window)`` per layer, between SnapKV'
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .selection import NEG_INF, best_positions, gather_positions, keep_top, pool_votes, snapkv_votes
-from ..config import AdaSnapKVConfig
+
+if TYPE_CHECKING:
+    from .ada import AdaSnapKVConfig
 
 EMPTY = -1
 """The position of a slot that holds nothing (masked in decode)."""

@@ -16,12 +16,19 @@ selection does not depend on where a row's tokens sit in a padded batch.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..config import DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
+if TYPE_CHECKING:  # the settings each function reads; the method classes call these functions
+    from .docsnapkv import DocSnapKVConfig
+    from .h2o import H2OConfig
+    from .keynorm import KeyNormConfig
+    from .kvzip import KVzipConfig
+    from .random import RandomConfig
+    from .snapkv import SnapKVConfig
+    from .streaming import StreamingLLMConfig
 
 NEG_INF = float("-inf")
 
@@ -368,33 +375,3 @@ def random_select(key_states: torch.Tensor, value_states: torch.Tensor, config: 
     return keep_top(scores.to(key_states.device), key_states, value_states, config.max_capacity_prompt,
                     config.recent_size, attention_mask)
 
-
-def select(config, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-           attention_mask: torch.Tensor | None, layer_idx: int, num_layers: int, *, shared: bool = False, **scoring
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dispatch one layer to its method. ``query`` holds all prompt queries ``[B, H, L, D]``; the
-    window methods only look at its end. ``scoring``: the layer's ``scale``, ``softcap``, ``sinks``;
-    ``shared``: one selection for all heads (see :func:`snapkv_select`)."""
-    if shared and not isinstance(config, (SnapKVConfig, H2OConfig)):  # positions only: any head will do
-        key_states, value_states = key_states[:, :1], value_states[:, :1]
-    if isinstance(config, KVzipConfig):
-        raise ValueError("kvzip: its votes come from a re-read pass that the engine's prefill runs "
-                         "(kvzip_select takes the re-reading queries)")
-    if isinstance(config, KeyNormConfig):
-        return key_norm_select(key_states, value_states, config, attention_mask,
-                               capacity=config.budget_for_layer(layer_idx, num_layers), shared=shared)
-    if isinstance(config, DocSnapKVConfig):
-        return doc_snapkv_select(query, key_states, value_states, config, attention_mask,
-                                 capacity=config.budget_for_layer(layer_idx, num_layers), shared=shared, **scoring)
-    if isinstance(config, SnapKVConfig):  # PyramidKVConfig included: only the budget differs
-        capacity = config.budget_for_layer(layer_idx, num_layers)
-        return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
-                             capacity=capacity, shared=shared, **scoring)
-    if isinstance(config, StreamingLLMConfig):
-        return streaming_select(key_states, value_states, config, attention_mask)
-    if isinstance(config, H2OConfig):
-        return h2o_select(query, key_states, value_states, config, attention_mask, shared=shared, **scoring)
-    if isinstance(config, RandomConfig):
-        return random_select(key_states, value_states, config, attention_mask, layer_idx=layer_idx)
-    raise TypeError(f"snapkv: expected a compression config (SnapKVConfig, StreamingLLMConfig, H2OConfig, "
-                    f"RandomConfig, PyramidKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig), got {type(config).__name__}")

@@ -16,7 +16,7 @@ DEFAULT_INSTRUCTION = (
 )
 
 REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly.\n"
-"""What KVzip's re-read pass puts between the prompt and its second reading (:class:`~snapkv_rag.config.KVzipConfig`)."""
+"""What KVzip's re-read pass puts between the prompt and its second reading (:class:`~snapkv_rag.methods.KVzipConfig`)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Lookahead SnapKV (:class:`~snapkv_rag.config.LookaheadSnapKVConfig`): the observation window
+"""Lookahead SnapKV (:class:`~snapkv_rag.methods.LookaheadSnapKVConfig`): the observation window
 reaches into the answer.
 
 SnapKV's votes come from the prompt's last queries: the instruction and the question, which ask
@@ -36,7 +36,7 @@ import torch
 
 from ..kv import tails
 from ..kv.prompt_cache import Compressed, LayerKV, PromptCache, Scoring, compress_layer
-from ..config import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig
+from ..methods import AdaSnapKVConfig, LookaheadSnapKVConfig
 from ..kv.prefix_cache import Capture, Prefix, PrefixLayer
 
 WHOLE = "\0whole"
@@ -50,12 +50,12 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
     with the lookahead ones' compressed caches added (their selection time includes the draft)."""
     if len(prompts) != 1:
         raise ValueError("lookahead: one prompt per prefill (its draft follows its own prompt)")
-    ahead = {name: m for name, m in methods.items() if isinstance(m, LookaheadSnapKVConfig)}
+    ahead = {name: m for name, m in methods.items() if m is not None and m.drafts}
     others = {name: m for name, m in methods.items() if name not in ahead} or {WHOLE: None}
     prompt = prompts[0]
     # the prompt's own K/V tensors, not copies: a full cache holds them anyway, and no pass writes into them
     whole = Capture(len(prompt), max_bytes=1 << 62, queries=max(m.window_size for m in ahead.values()), own=False)
-    if any(isinstance(m, KVzipConfig) for m in others.values()):  # its pass runs the re-read on: a second one
+    if any(m is not None and m.rereads for m in others.values()):  # its pass runs the re-read on: a second one
         first = runner.prefill(prompts, others)
         base = runner.prefill(prompts, {WHOLE: None}, whole=whole)
         first = dataclasses.replace(first, compressed={**first.compressed, WHOLE: base.compressed[WHOLE]},

@@ -38,7 +38,6 @@ from . import attention, draft as lookahead
 from ..models import layer_kinds
 from ..kv import prefix_cache, tails
 from ..kv.prompt_cache import Compressed, PromptCache, compressing, layer_specs
-from ..config import KVzipConfig, LookaheadSnapKVConfig
 from ..kv.prefix_cache import PrefixCache
 from ..kv.slot_cache import SlotCache
 
@@ -134,7 +133,7 @@ class Runner:
         with recurrent layers runs the prompt alone once more first, for their states after it. A lookahead
         method (:class:`LookaheadSnapKVConfig`) first drafts over the whole prompt
         (:mod:`snapkv_rag.runtime.draft`), kept in ``whole``: a capture of every position, not stored."""
-        if any(isinstance(m, LookaheadSnapKVConfig) for m in methods.values()):
+        if any(m is not None and m.drafts for m in methods.values()):
             return lookahead.prefill(self, prompts, methods)
         self.attach()
         reread = self._with_reread(prompts, methods)
@@ -226,7 +225,7 @@ class Runner:
         if boundary is None or store is None or not store.enabled or len(prompts) != 1:
             return None, None
         why = prefix_cache.unsupported(self.specs, self.state_break)
-        if why is None and any(isinstance(m, KVzipConfig) for m in methods.values()):
+        if why is None and any(m is not None and m.rereads for m in methods.values()):
             why = "KVzip re-reads the whole prompt in its own pass"
         needed = prefix_cache.queries_needed(methods)
         if why is None and needed is None:
@@ -240,7 +239,7 @@ class Runner:
     def _with_reread(self, prompts: list[list[int]], methods: Mapping[str, Any]) -> list[int]:
         """The tokens a KVzip method's re-read appends to the prompt (none without one): the repeat
         instruction (``repeat_ids``, set by the engine from its tokenizer) and the prompt again."""
-        if not any(isinstance(m, KVzipConfig) for m in methods.values()):
+        if not any(m is not None and m.rereads for m in methods.values()):
             return []
         name = type(self.model).__name__
         if len(prompts) != 1:

@@ -20,7 +20,7 @@ from .protocol import Call
 def eligible(llm, call: Call) -> bool:
     method = call.options["snapkv"] if "snapkv" in call.options else llm.default_snapkv
     single = isinstance(call.prompt, str) or (len(call.prompt) == 1 and call.prompt[0].get("role") == "user")
-    return (bool(call.documents) and single and call.tools is None and type(method) in stored.QUERY_AGNOSTIC
+    return (bool(call.documents) and single and call.tools is None and stored.storable(method)
             and call.options.get("cite", "text") == "text" and llm.doc_store.max_bytes > 0
             and doc_store.unsupported(llm) is None)
 

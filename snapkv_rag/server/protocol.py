@@ -9,17 +9,13 @@ from dataclasses import asdict, dataclass, field, replace
 from dataclasses import fields as fields_of
 from typing import Any
 
-from ..config import AdaSnapKVConfig, DocSnapKVConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig
+from ..methods import METHODS, SnapKVConfig
 from ..request.tools import ToolPlan
 from . import logprobs, tool_calls
 from .errors import APIError, bad, typed
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-SNAPKV_FIELDS = ("method", "max_capacity_prompt", "ratio", "budget", "window_size", "kernel_size", "pooling",
-                 "floor", "share", "lookahead")
-OWN_FIELDS = ("floor", "share", "lookahead")  # settings of some methods only (adasnapkv: floor; kvzip: share; lookahead)
-METHODS = {"snapkv": SnapKVConfig, "docsnapkv": DocSnapKVConfig, "adasnapkv": AdaSnapKVConfig,
-           "keynorm": KeyNormConfig, "kvzip": KVzipConfig, "lookahead": LookaheadSnapKVConfig}
+PER_REQUEST = ("spans",)  # method fields bound by the engine per request, never sent
 # OpenAI parameters this server cannot honour: refused by name rather than ignored in silence
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
 
@@ -130,34 +126,30 @@ def _messages(body: dict, limit: int, documents: list[dict]) -> list[dict]:
     return out
 
 
-def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | None:
-    """``"snapkv": false`` (full cache), ``true`` (the server's compression), or an object of
-    ``SnapKVConfig`` fields; ``budget`` takes tokens (512) or a share (``"50%"``); ``method``
-    ``"docsnapkv"`` selects document-aware SnapKV, ``"adasnapkv"`` head-adaptive SnapKV, ``"lookahead"`` lookahead SnapKV (its drafted answer votes too), ``"keynorm"`` key-norm selection and ``"kvzip"`` KVzip (both query-agnostic),
-    ``"snapkv"`` plain SnapKV; ``floor``, ``share`` and ``lookahead`` set those of the methods that have them."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return (settings.compression or settings.base_compression) if value else False
-    if not isinstance(value, dict):
-        raise bad("snapkv", "expected false, true or an object such as {\"max_capacity_prompt\": 512}", "invalid_type")
-    unknown = sorted(set(value) - set(SNAPKV_FIELDS))
-    if unknown:
-        raise bad(f"snapkv.{unknown[0]}", f"unknown field; the fields are {', '.join(SNAPKV_FIELDS)}", "unknown_field")
-    fields = dict(value)
-    base = settings.compression or settings.base_compression
-    method = fields.pop("method", None)
-    if method is not None:
-        if method not in METHODS:
-            raise bad("snapkv.method", f"must be one of {', '.join(METHODS)}, got {json.dumps(method)}")
-        # the server's settings carry over, except those left at SnapKV's defaults: the method's own apply
-        plain = SnapKVConfig()
-        base = METHODS[method](**{f.name: getattr(base, f.name) for f in fields_of(SnapKVConfig)
-                                  if f.name in ("max_capacity_prompt", "ratio")
-                                  or getattr(base, f.name) != getattr(plain, f.name)})
-    for name in OWN_FIELDS:
-        if name in fields and name not in {f.name for f in fields_of(base)}:
-            raise bad(f"snapkv.{name}", f"not a setting of method {base.method}", "unknown_field")
+def snapkv_fields() -> tuple[str, ...]:
+    """The fields a request's ``snapkv`` object may hold: ``method``, ``budget`` and every setting of
+    a registered method (:data:`snapkv_rag.methods.METHODS`), SnapKV's first."""
+    names = ["method", "max_capacity_prompt", "ratio", "budget"]
+    for cls in (SnapKVConfig, *METHODS.values()):
+        names += [f.name for f in fields_of(cls) if f.name not in names and f.name not in PER_REQUEST]
+    return tuple(names)
+
+
+def _switch_method(name: Any, base):
+    """``base`` (the server's compression) as method ``name``: the budget carries over, and the other
+    settings the server changed from SnapKV's defaults where the method has them; the rest are the
+    method's own defaults."""
+    if name not in METHODS:
+        raise bad("snapkv.method", f"must be one of {', '.join(METHODS)}, got {json.dumps(name)}")
+    plain, target = SnapKVConfig(), {f.name for f in fields_of(METHODS[name])}
+    carried = {f.name: getattr(base, f.name) for f in fields_of(base) if f.name in target and (
+        f.name in ("max_capacity_prompt", "ratio") or getattr(base, f.name) != getattr(plain, f.name, None))}
+    return METHODS[name](**carried)
+
+
+def _budget_fields(fields: dict) -> dict:
+    """``budget`` (tokens, or a share such as ``"50%"``) as ``max_capacity_prompt`` / ``ratio``; giving
+    either clears the other."""
     budget = fields.pop("budget", None)
     if isinstance(budget, str) and budget.endswith("%"):
         try:
@@ -169,12 +161,38 @@ def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | 
     if [k for k in ("max_capacity_prompt", "ratio") if fields.get(k) is not None]:
         fields.setdefault("max_capacity_prompt", None)
         fields.setdefault("ratio", None)
+    return fields
+
+
+def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | None:
+    """``"snapkv": false`` (full cache), ``true`` (the server's compression), or an object of method
+    settings (:func:`snapkv_fields`); ``budget`` takes tokens (512) or a share (``"50%"``); ``method``
+    names any registered method (``"snapkv"``, ``"docsnapkv"``, ``"adasnapkv"``, ``"lookahead"``,
+    ``"keynorm"``, ``"kvzip"``, ...); a setting the chosen method does not have is refused by name."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return (settings.compression or settings.base_compression) if value else False
+    if not isinstance(value, dict):
+        raise bad("snapkv", "expected false, true or an object such as {\"max_capacity_prompt\": 512}", "invalid_type")
+    known = snapkv_fields()
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise bad(f"snapkv.{unknown[0]}", f"unknown field; the fields are {', '.join(known)}", "unknown_field")
+    fields = dict(value)
+    base = settings.compression or settings.base_compression
+    method = fields.pop("method", None)
+    if method is not None:
+        base = _switch_method(method, base)
+    own = {f.name for f in fields_of(base)}
+    for name in fields:
+        if name != "budget" and name not in own:
+            raise bad(f"snapkv.{name}", f"not a setting of method {base.method}", "unknown_field")
     try:
-        return replace(base, **fields)
+        return replace(base, **_budget_fields(fields))
     except (ValueError, TypeError) as error:
         name = str(error).split(":")[0]
-        raise bad(f"snapkv.{name}" if name in SNAPKV_FIELDS else "snapkv", str(error)) from None
-
+        raise bad(f"snapkv.{name}" if name in known else "snapkv", str(error)) from None
 
 def _options(body: dict, settings: ServerSettings) -> tuple[dict, bool, bool]:
     for name in UNSUPPORTED:
