@@ -55,8 +55,8 @@ def main() -> None:
             cache = PromptCache(runner.model.config, runner.specs, prefix)
             cache.compress = lambda i, *_: setattr(cache.layers[i], "pending", None)
             start = time.perf_counter()
-            with torch.inference_mode(), runner._sliced():
-                runner._forward(torch.tensor([ids[-count:]]), None, torch.arange(len(ids), len(ids) + count)[None],
+            with torch.inference_mode(), runner.sliced_mlps():
+                runner.forward(torch.tensor([ids[-count:]]), None, torch.arange(len(ids), len(ids) + count)[None],
                                 cache, at=list(range(count)))
             return time.perf_counter() - start
 

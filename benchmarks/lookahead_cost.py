@@ -89,8 +89,8 @@ def main() -> None:
             tokens.append(len(ids))
             configs = {name: methods(round(args.share * len(ids)))[name] for name in names}
             draft: list[int] = []  # the passes after the prompt, counted by wrapping the runner's forward
-            forward = runner._forward
-            runner._forward = lambda input_ids, mask, positions, *rest, **kw: (
+            forward = runner.forward
+            runner.forward = lambda input_ids, mask, positions, *rest, **kw: (
                 draft.append(1) if int(positions[0, 0]) >= len(ids) else None) or forward(input_ids, mask, positions,
                                                                                            *rest, **kw)
             times: dict[str, list[float]] = {name: [] for name in configs}
@@ -110,7 +110,7 @@ def main() -> None:
                         result = llm.generate(example.question, list(example.documents), snapkv=configs[name],
                                               max_new_tokens=args.decode_tokens, ignore_eos=True)
                         steps[name].extend(result.timings.decode_step_ms[1:])
-            runner._forward = forward
+            runner.forward = forward
             lookahead.draft_and_vote = guessing
             for name, values in times.items():
                 seconds[name] += statistics.median(values)

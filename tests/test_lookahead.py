@@ -140,14 +140,14 @@ def test_guessed_tokens_count_only_while_the_pass_predicts_them(tiny_engine, mon
         return wanted[:right] + [(token + 1) % 100 for token in wanted[right:]]
 
     runner, lengths = tiny_engine.runner, []
-    forward = runner._forward
+    forward = runner.forward
 
     def counting(tokens, mask, positions, *rest, **kw):  # the passes after the prompt
         if int(positions[0, 0]) >= len(ids):
             lengths.append(tokens.shape[-1])
         return forward(tokens, mask, positions, *rest, **kw)
 
-    monkeypatch.setattr(runner, "_forward", counting)
+    monkeypatch.setattr(runner, "forward", counting)
     monkeypatch.setattr(lookahead, "draft_and_vote", lambda *args: drafts.append(real(*args)) or drafts[-1])
     monkeypatch.setattr(lookahead, "guess", guess)
     guessed = kept(tiny_engine, ids, AHEAD)

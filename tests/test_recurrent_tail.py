@@ -25,9 +25,9 @@ def _tail_logits(llm, entry, ids, one_pass: bool) -> torch.Tensor:
     cache = tails.with_states(PromptCache(llm.model.config, runner.specs, prefix), entry.states)
     with torch.inference_mode():
         if not one_pass:
-            return tails.stepwise_tail(runner._forward, cache, prefix, ids, runner.device)[1]
+            return tails.stepwise_tail(runner.forward, cache, prefix, ids, runner.device)[1]
         cache.compress = tails.tail_hook(cache, prefix.layers, entry.length, len(ids))
-        return runner._forward(torch.tensor([ids[entry.length:]], device=runner.device), None,
+        return runner.forward(torch.tensor([ids[entry.length:]], device=runner.device), None,
                                torch.arange(entry.length, len(ids), device=runner.device)[None], cache)
 
 

@@ -103,13 +103,13 @@ def draft_and_vote(runner, prefix: Prefix, first: int, count: int, methods: Mapp
 
     cache.compress = hook
     tokens, fed = [first], 0  # the drafted tokens; how many of them have run
-    with runner.lock, torch.inference_mode(), runner._sliced():
+    with runner.lock, torch.inference_mode(), runner.sliced_mlps():
         past = PAST_DRAFTS.setdefault(runner, collections.deque(maxlen=64))
         while fed < count and (fed == 0 or tokens[fed - 1] not in runner.eos_ids):
             ids = tokens[fed:]
             if speculate and ids[0] not in runner.eos_ids:
                 ids += guess(prefix.ids, tokens, count - fed - 1, list(reversed(past)))
-            logits = runner._forward(torch.tensor([ids], device=runner.device), None,
+            logits = runner.forward(torch.tensor([ids], device=runner.device), None,
                                      torch.arange(length + fed, length + fed + len(ids), device=runner.device)[None],
                                      cache, at=list(range(len(ids))))
             predicted = logits[0].argmax(-1).tolist()

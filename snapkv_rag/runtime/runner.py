@@ -25,6 +25,7 @@ or any other device, runs the same step function through ``torch.compile``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import threading
@@ -125,24 +126,31 @@ class Runner:
                 whole: prefix_cache.Capture | None = None) -> Prefilled:
         """Run ``prompts`` once (left padded) and compress them under every method of ``methods``
         (name -> config, ``None`` for the full cache). Only the kept caches differ: the prefill
-        itself sees the whole prompt. ``boundary`` (one prompt): its first ``boundary`` tokens are
-        a document prefix (:mod:`snapkv_rag.kv.prefix_cache`): taken from the prefix cache when there,
-        else kept in it after this prefill; the selection is the same either way. A KVzip method
-        (:class:`KVzipConfig`) runs its re-read in the same pass: the prompt, then the repeat
-        instruction and the prompt again (see :meth:`_with_reread`; no prefix is reused then); a model
-        with recurrent layers runs the prompt alone once more first, for their states after it. A lookahead
-        method (:class:`LookaheadSnapKVConfig`) first drafts over the whole prompt
-        (:mod:`snapkv_rag.runtime.draft`), kept in ``whole``: a capture of every position, not stored."""
+        itself sees the whole prompt. The one entry; what runs depends on the methods and the prompt:
+
+        - a method that drafts (lookahead): :func:`snapkv_rag.runtime.draft.prefill`, which comes back
+          here with ``whole`` (a capture of every position of the prompt, not stored);
+        - a method that re-reads the prompt (KVzip): :meth:`_prefill_rereading`;
+        - a ``boundary`` (one RAG prompt: its first ``boundary`` tokens are the document prefix) and a
+          prefix cache that may serve it: :meth:`_prefill_cached`;
+        - else one plain pass: :meth:`_prefill_plain`.
+        The selection is the same whichever path ran."""
+        self.attach()
         if any(m is not None and m.drafts for m in methods.values()):
             return lookahead.prefill(self, prompts, methods)
-        self.attach()
-        reread = self._with_reread(prompts, methods)
+        prefix, capture = (None, None) if whole is not None else self._prefix_plan(prompts, methods, boundary)
+        if any(m is not None and m.rereads for m in methods.values()):
+            return self._prefill_rereading(prompts, methods)
+        if prefix is not None or capture is not None:
+            return self._prefill_cached(prompts[0], methods, prefix, capture)
+        return self._prefill_plain(prompts, methods, capture=whole)
+
+    def _prefill_plain(self, prompts: list[list[int]], methods: Mapping[str, Any], prefix=None,
+                       capture: prefix_cache.Capture | None = None) -> Prefilled:
+        """The prompts in one pass, or one prompt's rest over a cached ``prefix`` (its K/V, last
+        queries and recurrent states) at the positions it has in the whole prompt; ``capture`` is
+        handed every layer's K/V and last queries as they run."""
         start = time.perf_counter()
-        prefix, capture = (None, whole) if whole is not None else self._prefix_plan(prompts, methods, boundary)
-        computed = 0  # prefix positions this call ran itself (a recurrent model's prefix pass)
-        if whole is None and capture is not None and any(spec.state for spec in self.specs):
-            prefix, capture = self._prefix_pass(prompts[0], capture), None
-            computed = 0 if prefix is None else prefix.length
         skip = 0 if prefix is None else prefix.length
         batch = Batch.of([p[skip:] for p in prompts], self.pad_id, self.device)
         cache = PromptCache(self.model.config, self.specs, prefix)
@@ -150,35 +158,63 @@ class Runner:
         if prefix is not None:
             tails.with_states(cache, prefix.states)
         positions = (batch.mask.cumsum(-1) - 1).clamp(min=0) + skip
-        sliced = self._sliced()
         lengths = [length + skip for length in batch.lengths]
-        if reread:  # one prompt, and its re-read after it in the same pass
-            batch = Batch.of([prompts[0] + reread], self.pad_id, self.device)
-            positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+        with self.lock, torch.inference_mode(), self.sliced_mlps(), compressing(cache, methods, lengths) as compressed:
+            logits = self.forward(batch.ids, batch.mask if batch.padded else None, positions, cache)
+        return self._prefilled(compressed, logits, start, cached_tokens=skip)
+
+    def _prefill_cached(self, prompt: list[int], methods: Mapping[str, Any], prefix, capture) -> Prefilled:
+        """A RAG prompt whose document prefix the prefix cache serves (:mod:`snapkv_rag.kv.prefix_cache`):
+        on a hit (``prefix``) only its rest runs; on a miss the whole prompt runs with the prefix
+        captured, then stored. A model with recurrent layers has their states at the prefix's end
+        only after a pass that ends there: on a miss the prefix runs alone (stored), then the rest
+        from it as on a hit, counted as no cached tokens."""
+        if prefix is not None:
+            return self._prefill_plain([prompt], methods, prefix=prefix)
+        begin = time.perf_counter()
+        if any(spec.state for spec in self.specs):
+            out = self._prefill_plain([prompt], methods, prefix=self._prefix_pass(prompt, capture))
+            return dataclasses.replace(out, prefill_s=time.perf_counter() - begin, cached_tokens=0)
+        out = self._prefill_plain([prompt], methods, capture=capture)
+        if not capture.too_big:
+            self.prefix_cache.store(capture.prefix(prompt, len(self.specs)))
+        return dataclasses.replace(out, prefill_s=time.perf_counter() - begin)
+
+    def _prefill_rereading(self, prompts: list[list[int]], methods: Mapping[str, Any]) -> Prefilled:
+        """KVzip's context reconstruction: one prompt, then the repeat instruction and the prompt again
+        in the same pass (:meth:`_with_reread`); the re-read's queries vote for that method and its
+        positions are cut off for every method. A model with recurrent layers runs the prompt alone
+        first, for their states after it (the re-read would run them on). No prefix is reused."""
+        start = time.perf_counter()
+        reread = self._with_reread(prompts, methods)
+        prompt = prompts[0]
         states = None
-        if reread and any(spec.state for spec in self.specs):  # the re-read would run the states on
+        if any(spec.state for spec in self.specs):
             states = tails.states_only(PromptCache(self.model.config, self.specs))
-            with self.lock, torch.inference_mode(), self._sliced():
-                self._forward(torch.tensor([prompts[0]], device=self.device), None,
-                              torch.arange(len(prompts[0]), device=self.device)[None], states)
-        with self.lock, torch.inference_mode(), sliced, \
-                compressing(cache, methods, lengths, reread=len(reread), states=states) as compressed:
-            logits = self._forward(batch.ids, batch.mask if batch.padded else None, positions, cache,
-                                   at=lengths[0] - 1 if reread else None)
-        if whole is None and capture is not None and not capture.too_big:
-            self.prefix_cache.store(capture.prefix(prompts[0], len(self.specs)))
+            with self.lock, torch.inference_mode(), self.sliced_mlps():
+                self.forward(torch.tensor([prompt], device=self.device), None,
+                             torch.arange(len(prompt), device=self.device)[None], states)
+        ids = torch.tensor([prompt + reread], device=self.device)
+        cache = PromptCache(self.model.config, self.specs)
+        with self.lock, torch.inference_mode(), self.sliced_mlps(), \
+                compressing(cache, methods, [len(prompt)], reread=len(reread), states=states) as compressed:
+            logits = self.forward(ids, None, torch.arange(ids.shape[-1], device=self.device)[None], cache,
+                                  at=len(prompt) - 1)
+        return self._prefilled(compressed, logits, start)
+
+    def _prefilled(self, compressed: dict, logits: torch.Tensor, start: float, cached_tokens: int = 0) -> Prefilled:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # prefill time is wall time of the work, not its launch
         return Prefilled(compressed=compressed, logits=logits, prefill_s=time.perf_counter() - start,
-                         cached_tokens=skip - computed)
+                         cached_tokens=cached_tokens)
 
     def _prefix_pass(self, prompt: list[int], capture) -> prefix_cache.Prefix | None:
         """A model with recurrent layers storing a prompt's prefix: their states at its end exist only
         after a pass that ends there, so the prefix runs alone (its K/V, last queries and states kept,
         stored) and the rest runs on from it as on a hit. ``None`` if it was too big to keep."""
         cache = tails.capture_only(PromptCache(self.model.config, self.specs), capture)
-        with self.lock, torch.inference_mode(), self._sliced():
-            self._forward(torch.tensor([prompt[: capture.length]], device=self.device), None,
+        with self.lock, torch.inference_mode(), self.sliced_mlps():
+            self.forward(torch.tensor([prompt[: capture.length]], device=self.device), None,
                           torch.arange(capture.length, device=self.device)[None], cache)
         if capture.too_big:
             return None
@@ -199,15 +235,15 @@ class Runner:
         start = time.perf_counter()
         prefix = stored.prefix()  # the stored layers padded again, for this prefill
         cache = PromptCache(self.model.config, self.specs, prefix)
-        with self.lock, torch.inference_mode(), self._sliced():
+        with self.lock, torch.inference_mode(), self.sliced_mlps():
             tails.with_states(cache, stored.states)
             if stored.states and not self.one_pass_tail:
-                layers, logits = tails.stepwise_tail(self._forward, cache, prefix, ids, self.device)
+                layers, logits = tails.stepwise_tail(self.forward, cache, prefix, ids, self.device)
             else:
                 cache.compress = tails.tail_hook(cache, prefix.layers, stored.length, len(ids))
                 tail = torch.tensor([ids[stored.length:]], device=self.device)
                 positions = torch.arange(stored.length, len(ids), device=self.device)[None]
-                logits, layers = self._forward(tail, None, positions, cache), cache.compress.layers
+                logits, layers = self.forward(tail, None, positions, cache), cache.compress.layers
             layers = tails.states_after(cache, layers)
         compressed = Compressed(stored.config, self.specs, layers, len(ids))
         if self.device.type == "cuda":
@@ -215,8 +251,8 @@ class Runner:
         return Prefilled(compressed={"": [compressed]}, logits=logits, prefill_s=time.perf_counter() - start,
                          cached_tokens=stored.length)
 
-    def _sliced(self):
-        """The MLPs run over a long prompt in slices of ``prefill_chunk`` tokens (while open)."""
+    def sliced_mlps(self):
+        """While open, the MLPs run over a long prompt in slices of ``prefill_chunk`` tokens."""
         return attention.sliced_mlps(self.model, self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
 
     def _prefix_plan(self, prompts, methods, boundary):
@@ -295,7 +331,7 @@ class Runner:
         """The step function: marks the slots, runs the model, moves the rows on. Greedy: the
         argmax is part of it and written where the next step reads its tokens."""
         positions = slots.begin_step(b)
-        logits = self._forward(slots.tokens[:b, None], slots.no_mask(b), positions[:, None], slots)
+        logits = self.forward(slots.tokens[:b, None], slots.no_mask(b), positions[:, None], slots)
         slots.end_step(b)
         if greedy:
             slots.tokens[:b].copy_(logits.argmax(dim=-1))
@@ -327,9 +363,11 @@ class Runner:
             self._steps[key] = step
         return step
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache, at: int | list[int] | None = None) -> torch.Tensor:
-        """The next-token logits ``[B, V]`` after the last position (or after position ``at``; after
-        each of a list of positions: ``[B, len(at), V]``)."""
+    def forward(self, input_ids, attention_mask, position_ids, cache, at: int | list[int] | None = None) -> torch.Tensor:
+        """One pass of the model over ``cache`` (a prompt cache, the slot cache or a tail's): the
+        next-token logits ``[B, V]`` after the last position (or after position ``at``; after each of
+        a list of positions: ``[B, len(at), V]``). What prompt passes outside the runner use (the
+        lookahead draft, stored-document tails), under ``lock`` and :meth:`sliced_mlps`."""
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   self.cache_kwarg: cache, "use_cache": True, attention.CACHE_KWARG: cache}
         if self.keep_last:
