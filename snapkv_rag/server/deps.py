@@ -37,8 +37,9 @@ async def server_settings(request: Request) -> ServerSettings:
 async def admission(server: Annotated[ServerState, Depends(server_state)],
                     settings: Annotated[ServerSettings, Depends(server_settings)]) -> AsyncIterator[Ticket]:
     """A place among the requests in flight, or 503 (shutting down) or 429 (full). The answer
-    releases it as soon as the engine is done; released here too, after the response, whatever
-    happened before (an error before the answer began, a client gone)."""
+    releases it as soon as the engine is done (:mod:`.answers`); here only a request that fails
+    before its answer takes over is released. Not on every exit: FastAPI 0.106 to 0.117 run a
+    dependency's exit before a streamed response is sent, which would free a stream's place early."""
     if not server.accepting:
         raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
     if server.in_flight >= settings.max_batch + settings.max_queue:
@@ -48,8 +49,9 @@ async def admission(server: Annotated[ServerState, Depends(server_state)],
     ticket = Ticket(server)
     try:
         yield ticket
-    finally:
+    except BaseException:
         ticket.release()
+        raise
 
 
 def parsed_call(parser: Callable[[dict, ServerSettings], Call]) -> Callable:
