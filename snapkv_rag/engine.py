@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import torch
@@ -36,6 +37,20 @@ OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "snapkv", "
            "cite", "n", "logprobs")
 
 
+@dataclass
+class Call:
+    """One call resolved in one place (:meth:`SnapKVLLM._resolve`), before anything runs: the prompt
+    (documents, chat template, tools, output format), its sampling and stop strings, the method bound
+    to this prompt (budget in tokens, document spans; a stored document set's own) and the tool plan.
+    From here the path goes one way: the scheduler prefills, selects and decodes it."""
+
+    request: Request
+    sampling: SamplingOptions
+    stop: list[str]
+    method: Any
+    plan: ToolPlan | None = None
+
+
 class ContextLengthError(ValueError):
     """The prompt (plus the tokens to generate) does not fit the model's context window."""
 
@@ -56,7 +71,7 @@ def check_config(snapkv: Any):
     return snapkv
 
 
-class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
+class SnapKVLLM:
     """A local causal LM that answers over retrieved documents from a SnapKV-compressed cache.
 
     >>> llm = SnapKVLLM()                                  # the embedded SmolLM2-135M-Instruct
@@ -115,6 +130,7 @@ class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
         self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
         self.doc_store = doc_store.DocStore(doc_store_bytes)
+        self.chunk_store = stitch.ChunkStore()  # per-document caches for reuse_documents
         self.runner = Runner(self.model, eos_ids=frozenset(eos), pad_id=pad, base=self.attn_implementation,
                              prefill_chunk=prefill_chunk, compile=compile, prefix_cache=self.prefix_cache)
         self.runner.repeat_ids = tuple(self.tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
@@ -131,6 +147,35 @@ class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
     def stats(self) -> SchedulerStats:
         """Requests waiting and decoding now, the batch limit, and totals so far."""
         return self.scheduler.stats()
+
+    # ------------------------------------------------------------------ documents reused across questions
+    def index_documents(self, documents: Sequence[DocumentLike], method: Any = 0.5) -> doc_store.DocumentSet:
+        """Prefill the instruction + ``documents`` once, compress them with a query-agnostic
+        ``method`` (a :class:`~snapkv_rag.methods.KeyNormConfig`, ``KVzipConfig``, ``StreamingLLMConfig``,
+        ``RandomConfig``, a fraction: key-norm keeping that share, default 0.5; ``None``: kept whole)
+        and keep the result in the document store. Returns the handle to ask over:
+        ``handle.generate(q)`` or ``generate(q, handle)`` prefills only the question."""
+        return doc_store.index(self, documents, method)
+
+    def load_documents(self, path) -> doc_store.DocumentSet:
+        """A handle on a document set saved with ``handle.save(path)`` by the same model, tokenizer and
+        library version (anything else: a clear error); it goes into the store."""
+        return doc_store.load_set(self, path)
+
+    def reuse_documents(self, documents: Sequence[DocumentLike], recompute: float = 0.15) -> stitch.StitchedDocuments:
+        """A handle on ``documents`` (in this prompt's order) whose caches are computed once per
+        document and stitched wherever the document sits, the ``recompute`` share of reused tokens
+        that deviate most recomputed (:mod:`snapkv_rag.documents.stitch`). Opt-in: answers can differ
+        from a full prefill's (``python -m evals.stitch`` measures it). The cache decodes whole."""
+        return stitch.StitchedDocuments(self, documents, recompute)
+
+    def prefix_stats(self) -> prefix_cache.PrefixStats:
+        """The prefix cache's hits, misses, tokens saved and bytes used."""
+        return self.prefix_cache.stats()
+
+    def doc_stats(self) -> doc_store.DocStoreStats:
+        """The document store's hits (questions answered from it), misses, tokens saved, bytes used."""
+        return self.doc_store.stats()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -190,9 +235,8 @@ class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
                       documents: Sequence[DocumentLike] | None = None, **options) -> Iterator[str | GenerationResult]:
         """Like :meth:`stream`, then the full :class:`GenerationResult` as the last item. Input is
         checked before this returns; closing the iterator early cancels the request."""
-        request, options, plan = self._tool_request(question_or_messages, documents, options)
-        sampling, stop, config = self._options(options, request)
-        return self._results(request, self._submit(request, sampling, stop, config), config, plan)
+        call = self._resolve(question_or_messages, documents, options)
+        return self._results(call, self._submit(call))
 
     async def agenerate(self, question: str, documents: Sequence[DocumentLike] | None = None,
                         **options) -> GenerationResult:
@@ -214,14 +258,13 @@ class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
                              documents: Sequence[DocumentLike] | None = None,
                              **options) -> AsyncIterator[str | GenerationResult]:
         """:meth:`stream_result` for asyncio: pieces, then the result; closing it cancels the request."""
-        request, options, plan = self._tool_request(question_or_messages, documents, options)
-        sampling, stop, config = self._options(options, request)
-        ticket = self._submit(request, sampling, stop, config, asyncio.get_running_loop())
+        call = self._resolve(question_or_messages, documents, options)
+        ticket = self._submit(call, asyncio.get_running_loop())
         try:
             async for item in ticket:
-                yield self._result(request, item, plan) if isinstance(item, Outcome) else item
+                yield self._result(call.request, item, call.plan) if isinstance(item, Outcome) else item
         except torch.OutOfMemoryError as error:
-            raise self._out_of_memory(error, len(request.input_ids), config) from error
+            raise self._out_of_memory(error, len(call.request.input_ids), call.method) from error
         finally:
             ticket.cancel()
 
@@ -237,15 +280,15 @@ class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: must be a positive integer, got {batch_size!r}")
         requests = [self.request(check_question(q), d, options.get("cite", "text")) for q, d in zip(questions, documents)]
-        prepared = [(r, *self._options(options, r)) for r in requests]
-        runs = [self._results(r, self._submit(r, s, stop, c), c) for r, s, stop, c in prepared[:batch_size]]
+        prepared = [self._bind(r, *self._options(options, r)) for r in requests]
+        runs = [self._results(call, self._submit(call)) for call in prepared[:batch_size]]
         results: list[GenerationResult] = []
         try:
             for i in range(len(prepared)):
                 results.append(_last(runs[i]))
                 if i + batch_size < len(prepared):
-                    r, s, stop, c = prepared[i + batch_size]
-                    runs.append(self._results(r, self._submit(r, s, stop, c), c))
+                    call = prepared[i + batch_size]
+                    runs.append(self._results(call, self._submit(call)))
         finally:
             for run in runs[len(results):]:
                 run.close()
@@ -275,6 +318,20 @@ class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
     def _messages(question_or_messages) -> Sequence[Message]:
         text = isinstance(question_or_messages, str)
         return [{"role": "user", "content": check_question(question_or_messages)}] if text else question_or_messages
+
+    def _resolve(self, question_or_messages, documents, options: dict) -> Call:
+        """The call's arguments as one :class:`Call`: the request (tools rendered), then its options
+        checked against it, then the method bound to it. Bad input raises here, before any work."""
+        request, options, plan = self._tool_request(question_or_messages, documents, options)
+        return self._bind(request, *self._options(options, request), plan)
+
+    def _bind(self, request: Request, sampling: SamplingOptions, stop: list[str], config, plan=None) -> Call:
+        """A checked request with its method bound to it: a budget share becomes this prompt's tokens,
+        a document-aware method gets this prompt's document spans, a stored document set runs its own."""
+        config = self.doc_store.used(request.stored) if request.stored is not None else config
+        if config is not None:
+            config = config.for_prompt(len(request.input_ids)).with_spans(request.spans)
+        return Call(request, sampling, stop, config, plan)
 
     def _tool_request(self, messages, documents, options: dict) -> tuple[Request, dict, ToolPlan | None]:
         """The request with its tools rendered, the options with the call's ``response_format``."""
@@ -319,22 +376,17 @@ class SnapKVLLM(doc_store.DocumentsAPI, stitch.StitchAPI):
                     f"together {total} tokens, over the model's context window of {self.context_window} tokens")
         return sampling, stop, config
 
-    def _submit(self, request: Request, sampling: SamplingOptions, stop: list[str], config, loop=None) -> Ticket:
-        """Hand one checked request to the scheduler; a budget share is of this prompt's length, and
-        a document-aware method gets this prompt's document spans."""
-        config = self.doc_store.used(request.stored) if request.stored is not None else config
-        if config is not None:
-            config = config.for_prompt(len(request.input_ids)).with_spans(request.spans)
-        return self.scheduler.submit(request, sampling, stop, config, loop)
+    def _submit(self, call: Call, loop=None) -> Ticket:
+        """Hand one resolved call to the scheduler (prefill, select, decode)."""
+        return self.scheduler.submit(call.request, call.sampling, call.stop, call.method, loop)
 
-    def _results(self, request: Request, ticket: Ticket, config, plan: ToolPlan | None = None
-                 ) -> Iterator[str | GenerationResult]:
+    def _results(self, call: Call, ticket: Ticket) -> Iterator[str | GenerationResult]:
         """A ticket's pieces (str) as they come, then the :class:`GenerationResult`."""
         try:
             for item in ticket:
-                yield self._result(request, item, plan) if isinstance(item, Outcome) else item
+                yield self._result(call.request, item, call.plan) if isinstance(item, Outcome) else item
         except torch.OutOfMemoryError as error:
-            raise self._out_of_memory(error, len(request.input_ids), config) from error
+            raise self._out_of_memory(error, len(call.request.input_ids), call.method) from error
         finally:
             ticket.cancel()
 

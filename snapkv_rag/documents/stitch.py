@@ -272,21 +272,3 @@ class Bound:
                            position_ids=run.to(device)[None], **{runner.cache_kwarg: cache}, use_cache=True, **last)
         cache.order = order[None, None]
         return cache, out.logits[:, -1, :], int(keep.sum())
-
-
-class StitchAPI:
-    """The engine's per-document reuse (mixed into :class:`~snapkv_rag.engine.SnapKVLLM`)."""
-
-    def reuse_documents(self, documents: Sequence[DocumentLike], recompute: float = 0.15) -> StitchedDocuments:
-        """A handle on ``documents`` (in this prompt's order) whose caches are computed once per
-        document and stitched wherever the document sits, the ``recompute`` share of reused tokens
-        that deviate most recomputed (:mod:`snapkv_rag.documents.stitch`). Opt-in: answers can differ from a
-        full prefill's (``python -m evals.stitch`` measures it). The cache decodes whole."""
-        return StitchedDocuments(self, documents, recompute)
-
-    @property
-    def chunk_store(self) -> ChunkStore:
-        store = self.__dict__.get("_chunk_store")
-        if store is None:
-            store = self.__dict__["_chunk_store"] = ChunkStore()
-        return store

@@ -31,12 +31,10 @@ state is not per token), and a tail over them runs one token per step (:mod:`sna
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ..kv import prefix_cache, tails
+from ..kv import prefix_cache
 from ..kv.lru import ByteLRU
 from ..kv.prompt_cache import FULL, LATENT, NONE, RECURRENT, SLIDING
 from ..request.prompts import DocumentLike
@@ -233,32 +231,9 @@ def check_options(options: dict, requests) -> None:
                          "the method you want")
 
 
-class DocumentsAPI:
-    """The engine's document store (and prefix cache) methods (mixed into :class:`~snapkv_rag.engine.SnapKVLLM`)."""
-
-    doc_store: DocStore
-    prefix_cache: Any
-
-    def index_documents(self, documents: Sequence[DocumentLike], method: Any = 0.5) -> DocumentSet:
-        """Prefill the instruction + ``documents`` once, compress them with a query-agnostic
-        ``method`` (a :class:`~snapkv_rag.methods.KeyNormConfig`, ``KVzipConfig``, ``StreamingLLMConfig``,
-        ``RandomConfig``, a fraction: key-norm keeping that share, default 0.5; ``None``: kept whole)
-        and keep the result in the document store. Returns the handle to ask over:
-        ``handle.generate(q)`` or ``generate(q, handle)`` prefills only the question."""
-        return index(self, documents, method)
-
-    def load_documents(self, path) -> DocumentSet:
-        """A handle on a document set saved with ``handle.save(path)`` by the same model, tokenizer and
-        library version (anything else: a clear error); it goes into the store."""
-
-        entry = load(self, path)
-        self.doc_store.put(entry)
-        return DocumentSet(self, entry)
-
-    def prefix_stats(self):
-        """The prefix cache's hits, misses, tokens saved and bytes used."""
-        return self.prefix_cache.stats()
-
-    def doc_stats(self) -> DocStoreStats:
-        """The document store's hits (questions answered from it), misses, tokens saved, bytes used."""
-        return self.doc_store.stats()
+def load_set(llm, path) -> DocumentSet:
+    """:meth:`SnapKVLLM.load_documents`: the set saved at ``path`` (checked against ``llm``), put in
+    the store, and its handle."""
+    entry = load(llm, path)
+    llm.doc_store.put(entry)
+    return DocumentSet(llm, entry)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Sequence
@@ -66,10 +67,14 @@ def _library_version() -> str:
         return "0+unknown"
 
 
+_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each engine's identity, computed once (it hashes weights and the vocabulary), gone with the engine."""
+
+
 def identity(llm) -> dict:
     """What a stored cache is valid for: the model (name, config, a fingerprint of its first and last
     weights, dtype), the tokenizer (vocabulary, chat template) and the library version."""
-    cached = getattr(llm, "_doc_identity", None)
+    cached = _IDENTITIES.get(llm)
     if cached is None:
         config = llm.model.config.to_dict()
         config.pop("_name_or_path", None)
@@ -80,7 +85,7 @@ def identity(llm) -> dict:
         cached = {"model": str(llm.model_name), "model_hash": _digest([config, weights.hexdigest()]),
                   "dtype": str(next(llm.model.parameters()).dtype).removeprefix("torch."),
                   "tokenizer_hash": _digest([vocab, getattr(tok, "chat_template", None)]), "library": _library_version()}
-        llm._doc_identity = cached
+        _IDENTITIES[llm] = cached
     return cached
 
 
