@@ -42,25 +42,38 @@ def main() -> None:
             methods[f"snapkv@{share}"] = SnapKVConfig(max_capacity_prompt=budget)
             methods[f"ada@{share}"] = AdaSnapKVConfig(max_capacity_prompt=budget, floor=args.floor)
             methods[f"lookahead@{share}"] = LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=args.floor)
-        both = llm.compare(example.question, list(example.documents), methods=methods, hit_rate=False,
-                           max_new_tokens=args.max_new_tokens)
+        both = llm.compare(
+            example.question,
+            list(example.documents),
+            methods=methods,
+            hit_rate=False,
+            max_new_tokens=args.max_new_tokens,
+        )
         full = both.results["full"].text
         for share in args.shares:
             snap = both.results[f"snapkv@{share}"]
             cell = {"snap_same": snap.text == full}
             for name in ("ada", "lookahead"):
                 result = both.results[f"{name}@{share}"].compression
-                cell.update({f"{name}_bytes": result.kv_bytes_kept / snap.compression.kv_bytes_kept,
-                             f"{name}_full_bytes": result.kv_bytes_kept / result.kv_bytes_full,
-                             f"{name}_same": both.results[f"{name}@{share}"].text == full})
+                cell.update(
+                    {
+                        f"{name}_bytes": result.kv_bytes_kept / snap.compression.kv_bytes_kept,
+                        f"{name}_full_bytes": result.kv_bytes_kept / result.kv_bytes_full,
+                        f"{name}_same": both.results[f"{name}@{share}"].text == full,
+                    }
+                )
             rows[share].append(cell)
-    print("| kept | prompts | method | bytes / SnapKV's (median) | bytes / full | identical to full: SnapKV | method |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "| kept | prompts | method | bytes / SnapKV's (median) | bytes / full | identical to full: SnapKV | method |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for share, cells in rows.items():
         for name in ("ada", "lookahead"):
-            print(f"| {share:.0%} | {len(cells)} | {name} | {statistics.median(c[name + '_bytes'] for c in cells):.2f} | "
-                  f"{statistics.median(c[name + '_full_bytes'] for c in cells):.2f} | "
-                  f"{sum(c['snap_same'] for c in cells)}/{len(cells)} | {sum(c[name + '_same'] for c in cells)}/{len(cells)} |")
+            print(
+                f"| {share:.0%} | {len(cells)} | {name} | {statistics.median(c[name + '_bytes'] for c in cells):.2f} | "
+                f"{statistics.median(c[name + '_full_bytes'] for c in cells):.2f} | "
+                f"{sum(c['snap_same'] for c in cells)}/{len(cells)} | {sum(c[name + '_same'] for c in cells)}/{len(cells)} |"
+            )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,21 @@ HERE = Path(__file__).resolve().parent
 
 def run(tree: Path, sizes: list[int], budget: int, threads: int, max_new: int, out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    command = [sys.executable, str(tree / "benchmarks" / "cpu_decode.py"), "--no-memory", "--sizes", *map(str, sizes),
-               "--budgets", str(budget), "--threads", str(threads), "--max-new-tokens", str(max_new), "--out", str(out)]
+    command = [
+        sys.executable,
+        str(tree / "benchmarks" / "cpu_decode.py"),
+        "--no-memory",
+        "--sizes",
+        *map(str, sizes),
+        "--budgets",
+        str(budget),
+        "--threads",
+        str(threads),
+        "--max-new-tokens",
+        str(max_new),
+        "--out",
+        str(out),
+    ]
     subprocess.run(command, env=env, check=True, cwd=tree, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -47,15 +60,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):
             for side, tree in trees.items():
-                report = run(tree, args.sizes, args.budget, args.threads, args.max_new_tokens,
-                             Path(scratch) / f"{side}{round_}.json")
+                report = run(
+                    tree,
+                    args.sizes,
+                    args.budget,
+                    args.threads,
+                    args.max_new_tokens,
+                    Path(scratch) / f"{side}{round_}.json",
+                )
                 runs[side].append(report)
-                print(f"round {round_ + 1} {side}: " + ", ".join(
-                    f"{row['prompt_tokens']} tok prefill {row['prefill_s']:.2f} s " + " ".join(
-                        f"{name} {m['decode_ms_per_token']:.1f} ms" for name, m in row["methods"].items())
-                    for row in report["rows"]), flush=True)
+                print(
+                    f"round {round_ + 1} {side}: "
+                    + ", ".join(
+                        f"{row['prompt_tokens']} tok prefill {row['prefill_s']:.2f} s "
+                        + " ".join(f"{name} {m['decode_ms_per_token']:.1f} ms" for name, m in row["methods"].items())
+                        for row in report["rows"]
+                    ),
+                    flush=True,
+                )
     ratios = []
     for i, size in enumerate(args.sizes):
+
         def figures(side: str) -> dict[str, list[float]]:
             rows = [report["rows"][i] for report in runs[side]]
             out = {"prefill": [r["prefill_s"] for r in rows]}
@@ -64,20 +89,37 @@ def main() -> None:
             return out
 
         before, after = figures("before"), figures("after")
-        row = {"size": size, "prompt_tokens": runs["after"][0]["rows"][i]["prompt_tokens"],
-               "best": {k: min(after[k]) / min(before[k]) for k in after},
-               "median": {k: statistics.median(after[k]) / statistics.median(before[k]) for k in after}}
+        row = {
+            "size": size,
+            "prompt_tokens": runs["after"][0]["rows"][i]["prompt_tokens"],
+            "best": {k: min(after[k]) / min(before[k]) for k in after},
+            "median": {k: statistics.median(after[k]) / statistics.median(before[k]) for k in after},
+        }
         ratios.append(row)
     names = list(ratios[0]["best"])
-    print("| prompt tokens | " + " | ".join(f"{n if n == 'prefill' else n + ' decode'} after/before (best; median)"
-                                            for n in names) + " |")
+    print(
+        "| prompt tokens | "
+        + " | ".join(f"{n if n == 'prefill' else n + ' decode'} after/before (best; median)" for n in names)
+        + " |"
+    )
     print("|---|" + "---|" * len(names))
     for row in ratios:
-        print(f"| {row['prompt_tokens']} | " + " | ".join(
-            f"{row['best'][n]:.3f}; {row['median'][n]:.3f}" for n in names) + " |")
+        print(
+            f"| {row['prompt_tokens']} | "
+            + " | ".join(f"{row['best'][n]:.3f}; {row['median'][n]:.3f}" for n in names)
+            + " |"
+        )
     if args.out:
-        args.out.write_text(json.dumps({"command": "python benchmarks/before_after.py " + " ".join(sys.argv[1:]),
-                                        "runs": runs, "ratios": ratios}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "command": "python benchmarks/before_after.py " + " ".join(sys.argv[1:]),
+                    "runs": runs,
+                    "ratios": ratios,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ from rag_prompts import build_prompt  # noqa: E402
 
 def decode_once(engine, prompt, methods: dict, max_new_tokens: int):
     """One shared-prefill ``compare`` of ``methods`` with ``engine`` (plain or compiled), greedy."""
-    return engine.compare(prompt.question, prompt.documents, methods=methods, hit_rate=False,
-                          max_new_tokens=max_new_tokens).results
+    return engine.compare(
+        prompt.question, prompt.documents, methods=methods, hit_rate=False, max_new_tokens=max_new_tokens
+    ).results
 
 
 def measure(plain, compiled, size: int, budget: int, max_new_tokens: int) -> list[dict]:
@@ -34,8 +35,10 @@ def measure(plain, compiled, size: int, budget: int, max_new_tokens: int) -> lis
 
     prompt = build_prompt(plain.tokenizer, size)
     length = len(plain.request(prompt.question, prompt.documents).input_ids)
-    methods = {"full": SnapKVConfig(max_capacity_prompt=length + 1), f"snapkv@{budget}": SnapKVConfig(
-        max_capacity_prompt=budget)}
+    methods = {
+        "full": SnapKVConfig(max_capacity_prompt=length + 1),
+        f"snapkv@{budget}": SnapKVConfig(max_capacity_prompt=budget),
+    }
     order = ("plain", "compiled", "compiled", "plain")
     start = time.perf_counter()
     decode_once(compiled, prompt, methods, max_new_tokens)  # compiles each bucket, untimed
@@ -50,11 +53,21 @@ def measure(plain, compiled, size: int, budget: int, max_new_tokens: int) -> lis
     rows = []
     for name, cfg in methods.items():
         plain_ms, compiled_ms = statistics.mean(runs[name]["plain"]), statistics.mean(runs[name]["compiled"])
-        row = {"prompt_tokens": length, "method": name, "kept_tokens": min(length, cfg.max_capacity_prompt),
-               "plain_ms_per_token": plain_ms, "compiled_ms_per_token": compiled_ms,
-               "speedup": plain_ms / compiled_ms, "runs": runs[name], "answers_identical": len(texts[name]) == 1}
-        print(f"  {length} {name}: plain {plain_ms:.1f} ms/token, compiled {compiled_ms:.1f} ms/token, "
-              f"{row['speedup']:.2f}x, answers identical: {row['answers_identical']}", flush=True)
+        row = {
+            "prompt_tokens": length,
+            "method": name,
+            "kept_tokens": min(length, cfg.max_capacity_prompt),
+            "plain_ms_per_token": plain_ms,
+            "compiled_ms_per_token": compiled_ms,
+            "speedup": plain_ms / compiled_ms,
+            "runs": runs[name],
+            "answers_identical": len(texts[name]) == 1,
+        }
+        print(
+            f"  {length} {name}: plain {plain_ms:.1f} ms/token, compiled {compiled_ms:.1f} ms/token, "
+            f"{row['speedup']:.2f}x, answers identical: {row['answers_identical']}",
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -80,12 +93,23 @@ def main() -> None:
     print("| prompt tokens | method | plain ms/token | compiled ms/token | plain / compiled | same answer |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['prompt_tokens']} | {r['method']} | {r['plain_ms_per_token']:.1f} | "
-              f"{r['compiled_ms_per_token']:.1f} | {r['speedup']:.2f}x | {'yes' if r['answers_identical'] else 'no'} |")
+        print(
+            f"| {r['prompt_tokens']} | {r['method']} | {r['plain_ms_per_token']:.1f} | "
+            f"{r['compiled_ms_per_token']:.1f} | {r['speedup']:.2f}x | {'yes' if r['answers_identical'] else 'no'} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["python", "benchmarks/compiled_decode.py", *sys.argv[1:]]),
-                                    "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows},
-                                   indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": " ".join(["python", "benchmarks/compiled_decode.py", *sys.argv[1:]]),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
 
 

@@ -45,20 +45,28 @@ def decode_speeds(llm, sizes: list[int], budgets: list[int], max_new_tokens: int
     for size in sizes:
         prompt = build_prompt(llm.tokenizer, size)
         methods = {"full": None, **{method_name(b): SnapKVConfig(max_capacity_prompt=b) for b in budgets}}
-        comparison = llm.compare(prompt.question, prompt.documents, methods=methods, hit_rate=False,
-                                 max_new_tokens=max_new_tokens)
+        comparison = llm.compare(
+            prompt.question, prompt.documents, methods=methods, hit_rate=False, max_new_tokens=max_new_tokens
+        )
         full = comparison.results["full"]
         prefill_ms = 1000 * comparison.prefill_s
         selection = {name: comparison.results[name].compression.selection_ms for name in methods if name != "full"}
-        row = {"size": size, "prompt_tokens": full.usage.prompt_tokens, "prefill_s": comparison.prefill_s,
-               "methods": {}}
+        row = {
+            "size": size,
+            "prompt_tokens": full.usage.prompt_tokens,
+            "prefill_s": comparison.prefill_s,
+            "methods": {},
+        }
         for name, result in comparison.results.items():
-            entry = {"decode_ms_per_token": result.timings.decode_ms_per_token,
-                     "completion_tokens": result.usage.completion_tokens, "text": result.text,
-                     "kv_bytes_full": result.compression.kv_bytes_full,
-                     "kv_bytes_kept": result.compression.kv_bytes_kept,
-                     "kept_tokens_max": max(result.compression.kept_tokens),
-                     "same_answer_as_full": result.text == full.text}
+            entry = {
+                "decode_ms_per_token": result.timings.decode_ms_per_token,
+                "completion_tokens": result.usage.completion_tokens,
+                "text": result.text,
+                "kv_bytes_full": result.compression.kv_bytes_full,
+                "kv_bytes_kept": result.compression.kv_bytes_kept,
+                "kept_tokens_max": max(result.compression.kept_tokens),
+                "same_answer_as_full": result.text == full.text,
+            }
             if name != "full":
                 # compare()'s prefill also ran the other budgets' selections: take them out
                 own_prefill_ms = prefill_ms - sum(ms for other, ms in selection.items() if other != name)
@@ -67,8 +75,11 @@ def decode_speeds(llm, sizes: list[int], budgets: list[int], max_new_tokens: int
                 entry["speedup_vs_full"] = full.timings.decode_ms_per_token / result.timings.decode_ms_per_token
             row["methods"][name] = entry
         rows.append(row)
-        print(f"  {size}: " + ", ".join(f"{n} {e['decode_ms_per_token']:.1f} ms/token"
-                                        for n, e in row["methods"].items()), flush=True)
+        print(
+            f"  {size}: "
+            + ", ".join(f"{n} {e['decode_ms_per_token']:.1f} ms/token" for n, e in row["methods"].items()),
+            flush=True,
+        )
     return rows
 
 
@@ -78,8 +89,9 @@ def table(rows: list[dict], budgets: list[int]) -> str:
         head += [f"SnapKV@{b} ms/token", f"speedup @{b}", f"selection share @{b}"]
     has_memory = any("peak_rss_delta_mib" in m for r in rows for m in r["methods"].values())
     if has_memory:
-        head += ["peak MiB full"] + [f"peak MiB @{b}" for b in budgets
-                                     if any("peak_rss_delta_mib" in r["methods"][method_name(b)] for r in rows)]
+        head += ["peak MiB full"] + [
+            f"peak MiB @{b}" for b in budgets if any("peak_rss_delta_mib" in r["methods"][method_name(b)] for r in rows)
+        ]
     head += ["KV MiB full"] + [f"KV MiB @{b}" for b in budgets]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -87,12 +99,18 @@ def table(rows: list[dict], budgets: list[int]) -> str:
         cells = [str(row["prompt_tokens"]), f"{m['full']['decode_ms_per_token']:.1f}"]
         for b in budgets:
             e = m[method_name(b)]
-            cells += [f"{e['decode_ms_per_token']:.1f}", f"{e['speedup_vs_full']:.2f}x",
-                      f"{100 * e['selection_share_of_prefill']:.2f}%"]
+            cells += [
+                f"{e['decode_ms_per_token']:.1f}",
+                f"{e['speedup_vs_full']:.2f}x",
+                f"{100 * e['selection_share_of_prefill']:.2f}%",
+            ]
         if has_memory:
             cells += [_mib(m["full"].get("peak_rss_delta_mib"))]
-            cells += [_mib(m[method_name(b)]["peak_rss_delta_mib"]) for b in budgets
-                      if any("peak_rss_delta_mib" in r["methods"][method_name(b)] for r in rows)]
+            cells += [
+                _mib(m[method_name(b)]["peak_rss_delta_mib"])
+                for b in budgets
+                if any("peak_rss_delta_mib" in r["methods"][method_name(b)] for r in rows)
+            ]
         cells += [f"{m['full']['kv_bytes_kept'] / 2**20:.0f}"]
         cells += [f"{m[method_name(b)]['kv_bytes_kept'] / 2**20:.0f}" for b in budgets]
         lines.append("| " + " | ".join(cells) + " |")
@@ -106,18 +124,38 @@ def _mib(value: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder/GGUF/hub id (default: the embedded model)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8000],
-                        help="prompt lengths in tokens (default: 2048 4096 8000)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 256],
-                        help="SnapKV max_capacity_prompt values, each compared with the full cache (default: 1024 256)")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[2048, 4096, 8000],
+        help="prompt lengths in tokens (default: 2048 4096 8000)",
+    )
+    parser.add_argument(
+        "--budgets",
+        type=int,
+        nargs="+",
+        default=[1024, 256],
+        help="SnapKV max_capacity_prompt values, each compared with the full cache (default: 1024 256)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory subprocesses")
-    parser.add_argument("--memory-budgets", type=int, nargs="*", default=None,
-                        help="budgets whose peak memory is measured besides the full cache (default: the first budget)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's); 1 is steadier on a machine others share")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a smoke test: sizes {QUICK_SIZES}, budget {QUICK_BUDGETS}, 4 new tokens")
+    parser.add_argument(
+        "--memory-budgets",
+        type=int,
+        nargs="*",
+        default=None,
+        help="budgets whose peak memory is measured besides the full cache (default: the first budget)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's); 1 is steadier on a machine others share",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"a smoke test: sizes {QUICK_SIZES}, budget {QUICK_BUDGETS}, 4 new tokens"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "cpu_decode.json", help="JSON to write")
     args = parser.parse_args()
     sizes, budgets, max_new = args.sizes, args.budgets, args.max_new_tokens
@@ -144,11 +182,20 @@ def main() -> None:
                 row["methods"][name]["peak_rss_delta_mib"] = probe["peak_rss_delta_mib"]
                 row["methods"][name]["peak_memory_probe"] = probe
                 print(f"  {row['size']} {name}: {_mib(probe['peak_rss_delta_mib'])} MiB", flush=True)
-    report = {"benchmark": "cpu_decode", "model": model_name, "sizes": sizes, "budgets": budgets,
-              "max_new_tokens": max_new, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "machine": platform.machine(), "processor": platform.processor() or None,
-              "command": "python benchmarks/cpu_decode.py " + " ".join(sys.argv[1:]),
-              "wall_s": time.time() - started, "rows": rows}
+    report = {
+        "benchmark": "cpu_decode",
+        "model": model_name,
+        "sizes": sizes,
+        "budgets": budgets,
+        "max_new_tokens": max_new,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "command": "python benchmarks/cpu_decode.py " + " ".join(sys.argv[1:]),
+        "wall_s": time.time() - started,
+        "rows": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(table(rows, budgets))

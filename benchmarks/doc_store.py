@@ -40,13 +40,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratio", type=float, default=0.5, help="share of the prompt key-norm keeps (default 0.5)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="2 questions, ~400-token prompts, 4 new tokens")
-    parser.add_argument("--family", choices=["embedded", "lfm2"], default="embedded",
-                        help="the embedded model (default), or a random-weight hybrid of its size (lfm2)")
-    parser.add_argument("--out", type=Path, default=None, help="default results/doc_store.json "
-                        "(results/doc_store_<family>.json for another family)")
+    parser.add_argument(
+        "--family",
+        choices=["embedded", "lfm2"],
+        default="embedded",
+        help="the embedded model (default), or a random-weight hybrid of its size (lfm2)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default results/doc_store.json (results/doc_store_<family>.json for another family)",
+    )
     args = parser.parse_args(argv)
     if args.out is None:
-        args.out = HERE / "results" / ("doc_store.json" if args.family == "embedded" else f"doc_store_{args.family}.json")
+        args.out = (
+            HERE / "results" / ("doc_store.json" if args.family == "embedded" else f"doc_store_{args.family}.json")
+        )
     if args.quick:
         args.tokens, args.questions, args.max_new_tokens = 400, 2, 4
 
@@ -65,31 +75,59 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.perf_counter()
     handle = stored.index_documents(documents, method)
     index_s = time.perf_counter() - begin
-    print(f"index_documents: {handle.prompt_tokens} tokens in {index_s:.3f} s; stored {handle.kept_bytes} bytes "
-          f"of {handle.full_bytes} full ({handle.kept_bytes / handle.full_bytes:.3f})", flush=True)
+    print(
+        f"index_documents: {handle.prompt_tokens} tokens in {index_s:.3f} s; stored {handle.kept_bytes} bytes "
+        f"of {handle.full_bytes} full ({handle.kept_bytes / handle.full_bytes:.3f})",
+        flush=True,
+    )
     rows = []
     for i, record in enumerate(asked, start=1):
         ttft_full, a = first_token(plain, record["question"], documents, args.max_new_tokens)
         ttft_stored, b = first_token(stored, record["question"], handle, args.max_new_tokens)
-        rows.append({"question": record["question"], "prompt_tokens": a.usage.prompt_tokens,
-                     "stored_tokens": b.usage.cached_tokens, "ttft_s_full": ttft_full, "ttft_s_stored": ttft_stored,
-                     "prefill_s_full": a.timings.prefill_s, "prefill_s_stored": b.timings.prefill_s,
-                     "ratio": ttft_full / ttft_stored, "same_answer": a.text == b.text,
-                     "answer_full": a.text, "answer_stored": b.text})
+        rows.append(
+            {
+                "question": record["question"],
+                "prompt_tokens": a.usage.prompt_tokens,
+                "stored_tokens": b.usage.cached_tokens,
+                "ttft_s_full": ttft_full,
+                "ttft_s_stored": ttft_stored,
+                "prefill_s_full": a.timings.prefill_s,
+                "prefill_s_stored": b.timings.prefill_s,
+                "ratio": ttft_full / ttft_stored,
+                "same_answer": a.text == b.text,
+                "answer_full": a.text,
+                "answer_stored": b.text,
+            }
+        )
         r = rows[-1]
-        print(f"Q{i} {r['prompt_tokens']} tokens ({r['stored_tokens']} stored): first token {ttft_full:.3f} s full "
-              f"prefill, {ttft_stored:.3f} s over the stored set ({r['ratio']:.2f}x); same answer: {r['same_answer']}",
-              flush=True)
-    summary = {"questions": len(rows), "documents": len(documents), "prompt_tokens": rows[0]["prompt_tokens"],
-               "stored_prefix_tokens": handle.prompt_tokens, "method": f"keynorm ratio={args.ratio}",
-               "max_new_tokens": args.max_new_tokens, "model": Path(stored.model_name).name, "index_s": index_s,
-               "stored_bytes": handle.kept_bytes, "full_bytes": handle.full_bytes,
-               "stored_share": handle.kept_bytes / handle.full_bytes, **later_figures(rows),
-               "doc_store": vars(stored.doc_stats()), "quick": args.quick, "family": args.family}
-    print(f"questions 2-{len(rows)}: first token {summary['ratio_later_median']:.2f}x sooner over the stored set "
-          f"(median; least {summary['ratio_later_min']:.2f}x); stored {summary['stored_share']:.3f} of the full "
-          f"cache's bytes; answers differing from the per-question key-norm run: {summary['differing_answers']} "
-          f"of {len(rows)}")
+        print(
+            f"Q{i} {r['prompt_tokens']} tokens ({r['stored_tokens']} stored): first token {ttft_full:.3f} s full "
+            f"prefill, {ttft_stored:.3f} s over the stored set ({r['ratio']:.2f}x); same answer: {r['same_answer']}",
+            flush=True,
+        )
+    summary = {
+        "questions": len(rows),
+        "documents": len(documents),
+        "prompt_tokens": rows[0]["prompt_tokens"],
+        "stored_prefix_tokens": handle.prompt_tokens,
+        "method": f"keynorm ratio={args.ratio}",
+        "max_new_tokens": args.max_new_tokens,
+        "model": Path(stored.model_name).name,
+        "index_s": index_s,
+        "stored_bytes": handle.kept_bytes,
+        "full_bytes": handle.full_bytes,
+        "stored_share": handle.kept_bytes / handle.full_bytes,
+        **later_figures(rows),
+        "doc_store": vars(stored.doc_stats()),
+        "quick": args.quick,
+        "family": args.family,
+    }
+    print(
+        f"questions 2-{len(rows)}: first token {summary['ratio_later_median']:.2f}x sooner over the stored set "
+        f"(median; least {summary['ratio_later_min']:.2f}x); stored {summary['stored_share']:.3f} of the full "
+        f"cache's bytes; answers differing from the per-question key-norm run: {summary['differing_answers']} "
+        f"of {len(rows)}"
+    )
     write(args.out, summary, rows)
     return 0
 
@@ -102,11 +140,17 @@ def hybrid_model(like, vocab_size: int):
 
     torch.manual_seed(0)
     layers = like.num_hidden_layers
-    config = Lfm2Config(vocab_size=vocab_size, hidden_size=like.hidden_size, intermediate_size=like.intermediate_size,
-                        num_hidden_layers=layers, num_attention_heads=like.num_attention_heads,
-                        num_key_value_heads=like.num_key_value_heads, block_multiple_of=32,
-                        max_position_embeddings=like.max_position_embeddings,
-                        layer_types=["full_attention" if i % 3 == 2 else "conv" for i in range(layers)])
+    config = Lfm2Config(
+        vocab_size=vocab_size,
+        hidden_size=like.hidden_size,
+        intermediate_size=like.intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=like.num_attention_heads,
+        num_key_value_heads=like.num_key_value_heads,
+        block_multiple_of=32,
+        max_position_embeddings=like.max_position_embeddings,
+        layer_types=["full_attention" if i % 3 == 2 else "conv" for i in range(layers)],
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 

@@ -35,15 +35,19 @@ def main() -> None:
 
     from evals.datasets import nq_examples
     from snapkv_rag import SnapKVLLM
-    from snapkv_rag.runtime import attention, draft as lookahead
     from snapkv_rag.kv import tails
-    from snapkv_rag.kv.prompt_cache import PromptCache
     from snapkv_rag.kv.prefix_cache import Capture
+    from snapkv_rag.kv.prompt_cache import PromptCache
+    from snapkv_rag.runtime import attention
+    from snapkv_rag.runtime import draft as lookahead
 
     llm = SnapKVLLM()
     runner, records, grouped = llm.runner, [], attention._grouped_tail
-    print("| passages | prompt tokens | tokens in the pass | grouped heads, ms | copied heads, ms | vs one token (grouped) |\n"
-          "|---|---|---|---|---|---|", flush=True)
+    print(
+        "| passages | prompt tokens | tokens in the pass | grouped heads, ms | copied heads, ms | vs one token (grouped) |\n"
+        "|---|---|---|---|---|---|",
+        flush=True,
+    )
     for docs in args.docs:
         example = nq_examples(1, [docs], ["middle"], 0)[0]
         ids = llm.request(example.question, list(example.documents), "text").input_ids
@@ -56,13 +60,18 @@ def main() -> None:
             cache.compress = lambda i, *_: setattr(cache.layers[i], "pending", None)
             start = time.perf_counter()
             with torch.inference_mode(), runner.sliced_mlps():
-                runner.forward(torch.tensor([ids[-count:]]), None, torch.arange(len(ids), len(ids) + count)[None],
-                                cache, at=list(range(count)))
+                runner.forward(
+                    torch.tensor([ids[-count:]]),
+                    None,
+                    torch.arange(len(ids), len(ids) + count)[None],
+                    cache,
+                    at=list(range(count)),
+                )
             return time.perf_counter() - start
 
         times = {(count, path): [] for count in args.tokens for path in ("grouped", "copied")}
         for round_ in range(args.rounds + 1):
-            for key in (list(times) if round_ % 2 else list(reversed(times))):
+            for key in list(times) if round_ % 2 else list(reversed(times)):
                 attention._grouped_tail = grouped if key[1] == "grouped" else (lambda *a, **k: False)
                 seconds = one_pass(key[0])
                 if round_:  # the first round warms up
@@ -71,13 +80,32 @@ def main() -> None:
         base = statistics.median(times[(args.tokens[0], "grouped")])
         for count in args.tokens:
             ms = {path: statistics.median(times[(count, path)]) * 1000 for path in ("grouped", "copied")}
-            records.append({"passages": docs, "prompt_tokens": len(ids), "tokens": count, "grouped_ms": ms["grouped"],
-                            "copied_ms": ms["copied"], "vs_one_token": ms["grouped"] / (base * 1000)})
-            print(f"| {docs} | {len(ids)} | {count} | {ms['grouped']:.1f} | {ms['copied']:.1f} | "
-                  f"{ms['grouped'] / (base * 1000):.2f}x |", flush=True)
+            records.append(
+                {
+                    "passages": docs,
+                    "prompt_tokens": len(ids),
+                    "tokens": count,
+                    "grouped_ms": ms["grouped"],
+                    "copied_ms": ms["copied"],
+                    "vs_one_token": ms["grouped"] / (base * 1000),
+                }
+            )
+            print(
+                f"| {docs} | {len(ids)} | {count} | {ms['grouped']:.1f} | {ms['copied']:.1f} | "
+                f"{ms['grouped'] / (base * 1000):.2f}x |",
+                flush=True,
+            )
     if args.out:
-        args.out.write_text(json.dumps({"command": "python benchmarks/draft_pass.py " + " ".join(sys.argv[1:]),
-                                        "rounds": args.rounds, "records": records}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "command": "python benchmarks/draft_pass.py " + " ".join(sys.argv[1:]),
+                    "rounds": args.rounds,
+                    "records": records,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -31,11 +31,19 @@ from rag_prompts import build_prompt  # noqa: E402
 def run(llm, prompt, max_new_tokens: int) -> dict:
     from snapkv_rag import SnapKVConfig
 
-    comparison = llm.compare(prompt.question, prompt.documents, hit_rate=False, max_new_tokens=max_new_tokens,
-                             methods={"full": None, "snapkv@256": SnapKVConfig(max_capacity_prompt=256)}, stop=[])
-    return {"prefill_s": comparison.prefill_s,
-            **{f"{name} ms/token": r.timings.decode_ms_per_token for name, r in comparison.results.items()},
-            "texts": {name: r.text for name, r in comparison.results.items()}}
+    comparison = llm.compare(
+        prompt.question,
+        prompt.documents,
+        hit_rate=False,
+        max_new_tokens=max_new_tokens,
+        methods={"full": None, "snapkv@256": SnapKVConfig(max_capacity_prompt=256)},
+        stop=[],
+    )
+    return {
+        "prefill_s": comparison.prefill_s,
+        **{f"{name} ms/token": r.timings.decode_ms_per_token for name, r in comparison.results.items()},
+        "texts": {name: r.text for name, r in comparison.results.items()},
+    }
 
 
 def sdpa_ms(config, length: int, dtype: torch.dtype, repeats: int = 50) -> float:
@@ -69,8 +77,14 @@ def main() -> None:
     fp32 = SnapKVLLM(dtype="float32")
     bf16 = SnapKVLLM(model=loading.load(None, device="cpu", dtype="bfloat16").model, tokenizer=fp32.tokenizer)
     variants = {"float32": fp32, "bfloat16": bf16}
-    report = {"benchmark": "dtype_decode", "torch": torch.__version__, "cpu": platform.processor(),
-              "native_bfloat16": loading.cpu_has_native_bfloat16(), "threads": torch.get_num_threads(), "rows": []}
+    report = {
+        "benchmark": "dtype_decode",
+        "torch": torch.__version__,
+        "cpu": platform.processor(),
+        "native_bfloat16": loading.cpu_has_native_bfloat16(),
+        "threads": torch.get_num_threads(),
+        "rows": [],
+    }
     for size in args.sizes:
         prompt = build_prompt(fp32.tokenizer, size)
         for llm in variants.values():  # untimed: first-use costs
@@ -82,22 +96,31 @@ def main() -> None:
                 runs[name].append(run(variants[name], prompt, args.max_new_tokens))
         row = {"size": size, "prompt_tokens": fp32.prompt_tokens(prompt.question, prompt.documents), "variants": {}}
         for name, results in runs.items():
-            row["variants"][name] = {key: statistics.median(r[key] for r in results)
-                                     for key in results[0] if key != "texts"}
+            row["variants"][name] = {
+                key: statistics.median(r[key] for r in results) for key in results[0] if key != "texts"
+            }
             row["variants"][name]["texts"] = results[0]["texts"]
-        kernel = {str(d).removeprefix("torch."): sdpa_ms(fp32.model.config, row["prompt_tokens"], d)
-                  for d in (torch.float32, torch.bfloat16)}
+        kernel = {
+            str(d).removeprefix("torch."): sdpa_ms(fp32.model.config, row["prompt_tokens"], d)
+            for d in (torch.float32, torch.bfloat16)
+        }
         row["sdpa_one_query_ms"] = kernel
         base = row["variants"]["float32"]
         print(f"{row['prompt_tokens']} tokens (native bfloat16: {report['native_bfloat16']}):")
         for name, v in row["variants"].items():
             same = all(v["texts"][m] == base["texts"][m] for m in base["texts"])
-            print(f"  {name:28s} prefill {v['prefill_s']:.2f} s ({v['prefill_s'] / base['prefill_s']:.2f}x fp32), "
-                  + ", ".join(f"{m} {v[f'{m} ms/token']:.1f} ms/token "
-                              f"({v[f'{m} ms/token'] / base[f'{m} ms/token']:.2f}x fp32)" for m in base["texts"])
-                  + f", same answers as fp32: {same}")
-        print(f"  torch SDPA, one decode query over {row['prompt_tokens']} keys: float32 {kernel['float32']:.3f} ms, "
-              f"bfloat16 {kernel['bfloat16']:.3f} ms ({kernel['bfloat16'] / kernel['float32']:.1f}x)")
+            print(
+                f"  {name:28s} prefill {v['prefill_s']:.2f} s ({v['prefill_s'] / base['prefill_s']:.2f}x fp32), "
+                + ", ".join(
+                    f"{m} {v[f'{m} ms/token']:.1f} ms/token ({v[f'{m} ms/token'] / base[f'{m} ms/token']:.2f}x fp32)"
+                    for m in base["texts"]
+                )
+                + f", same answers as fp32: {same}"
+            )
+        print(
+            f"  torch SDPA, one decode query over {row['prompt_tokens']} keys: float32 {kernel['float32']:.3f} ms, "
+            f"bfloat16 {kernel['bfloat16']:.3f} ms ({kernel['bfloat16'] / kernel['float32']:.1f}x)"
+        )
         report["rows"].append(row)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

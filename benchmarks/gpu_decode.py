@@ -44,22 +44,58 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # a copied tree works without installing the package
 
 import torch  # noqa: E402
-
 from gpu_report import describe, finish, table, throughput  # noqa: E402
-from gpu_support import (CostModel, Device, ResultFile, Watchdog, floor_ms, kv_bytes_per_token,  # noqa: E402
-                         random_prompt, weight_bytes_read, word_tokenizer)
+from gpu_support import (  # noqa: E402
+    CostModel,
+    Device,
+    ResultFile,
+    Watchdog,
+    floor_ms,
+    kv_bytes_per_token,
+    random_prompt,
+    weight_bytes_read,
+    word_tokenizer,
+)
 
 MODELS = {  # the MHA model first: the paper's claims are about it, and it must not be what gets cut
-    "llama2-7b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-                  "intermediate_size": 11008, "vocab_size": 32000, "rope_theta": 10000.0},
-    "llama3-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                  "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0},
+    "llama2-7b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+        "rope_theta": 10000.0,
+    },
+    "llama3-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+    },
 }
 TINY_MODELS = {
-    "tiny-mha": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-                 "intermediate_size": 128, "vocab_size": 4096, "rope_theta": 10000.0},
-    "tiny-gqa": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                 "intermediate_size": 128, "vocab_size": 4096, "rope_theta": 10000.0},
+    "tiny-mha": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 4096,
+        "rope_theta": 10000.0,
+    },
+    "tiny-gqa": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 4096,
+        "rope_theta": 10000.0,
+    },
 }
 WARM_STEPS = 3  # decode steps left out of the steady-state figure (first use, CUDA-graph capture)
 
@@ -70,9 +106,14 @@ def build_model(shape: dict, device: Device, dtype: torch.dtype, tokenizer):
 
     shape = dict(shape)
     theta = shape.pop("rope_theta")
-    config = LlamaConfig(**shape, rope_parameters={"rope_type": "default", "rope_theta": theta},
-                         max_position_embeddings=2**22, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        **shape,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        max_position_embeddings=2**22,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     with device.device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -82,8 +123,7 @@ def build_model(shape: dict, device: Device, dtype: torch.dtype, tokenizer):
     return model
 
 
-def run_cell(llm, device: Device, prompt: tuple[str, list[str]], batch: int, budget: int | None,
-             steps: int) -> dict:
+def run_cell(llm, device: Device, prompt: tuple[str, list[str]], batch: int, budget: int | None, steps: int) -> dict:
     """One (prompt, batch, method): ``batch`` concurrent requests through the scheduler
     (``generate_batch``); steady decode ms/token, prefill time, peak memory.
 
@@ -98,8 +138,14 @@ def run_cell(llm, device: Device, prompt: tuple[str, list[str]], batch: int, bud
     base = device.peak_bytes()
     started = time.perf_counter()
     try:
-        results = llm.generate_batch([question] * batch, [docs] * batch, batch_size=batch,
-                                     max_new_tokens=steps + batch, snapkv=config, ignore_eos=True)
+        results = llm.generate_batch(
+            [question] * batch,
+            [docs] * batch,
+            batch_size=batch,
+            max_new_tokens=steps + batch,
+            snapkv=config,
+            ignore_eos=True,
+        )
     except (torch.OutOfMemoryError, GenerationOutOfMemoryError) as error:
         return {"status": "OOM", "error": str(error).splitlines()[0], "wall_s": time.perf_counter() - started}
     finally:
@@ -108,21 +154,37 @@ def run_cell(llm, device: Device, prompt: tuple[str, list[str]], batch: int, bud
     step_ms = result.timings.decode_step_ms
     left_out = batch - 1 + WARM_STEPS
     steady = step_ms[left_out:] or step_ms
-    return {"status": "ok", "prompt_tokens": result.usage.prompt_tokens,
-            "completion_tokens": result.usage.completion_tokens, "steps_left_out": min(left_out, len(step_ms)),
-            "decode_ms_per_token": statistics.median(steady), "decode_ms_first_steps": step_ms[:WARM_STEPS],
-            "decode_ms_mean_all_steps": result.timings.decode_ms_per_token, "prefill_s": result.timings.prefill_s,
-            "batch_seen": max(r.timings.batch_size for r in results),
-            "selection_ms": result.compression.selection_ms, "kept_tokens_max": max(result.compression.kept_tokens),
-            "peak_bytes": device.peak_bytes(), "peak_above_start_bytes": device.peak_bytes() - base,
-            "wall_s": time.perf_counter() - started}
+    return {
+        "status": "ok",
+        "prompt_tokens": result.usage.prompt_tokens,
+        "completion_tokens": result.usage.completion_tokens,
+        "steps_left_out": min(left_out, len(step_ms)),
+        "decode_ms_per_token": statistics.median(steady),
+        "decode_ms_first_steps": step_ms[:WARM_STEPS],
+        "decode_ms_mean_all_steps": result.timings.decode_ms_per_token,
+        "prefill_s": result.timings.prefill_s,
+        "batch_seen": max(r.timings.batch_size for r in results),
+        "selection_ms": result.compression.selection_ms,
+        "kept_tokens_max": max(result.compression.kept_tokens),
+        "peak_bytes": device.peak_bytes(),
+        "peak_above_start_bytes": device.peak_bytes() - base,
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 class Run:
     """The grid for one model, cell by cell, inside the time and memory left."""
 
-    def __init__(self, args, device: Device, results: ResultFile, watchdog: Watchdog, deadline: float,
-                 bandwidth: float, tokenizer):
+    def __init__(
+        self,
+        args,
+        device: Device,
+        results: ResultFile,
+        watchdog: Watchdog,
+        deadline: float,
+        bandwidth: float,
+        tokenizer,
+    ):
         self.args, self.device, self.results, self.watchdog = args, device, results, watchdog
         self.deadline, self.bandwidth, self.tokenizer = deadline, bandwidth, tokenizer
         self.prompts: dict[int, tuple[str, list[str]]] = {}
@@ -138,15 +200,20 @@ class Run:
     def attempt(self, what: str, predicted_s: float, action) -> dict:
         """Run ``action`` if ``predicted_s`` fits the time left; its errors become the record."""
         if predicted_s > self.left():
-            return {"status": "skipped (time budget)",
-                    "reason": f"predicted {predicted_s:.0f} s, {max(self.left(), 0):.0f} s left"}
+            return {
+                "status": "skipped (time budget)",
+                "reason": f"predicted {predicted_s:.0f} s, {max(self.left(), 0):.0f} s left",
+            }
         self.watchdog.doing = what
         try:
             return action()
         except Exception as error:  # one cell's failure must not lose the others
             self.device.clean()
-            return {"status": "error", "error": f"{type(error).__name__}: {error}"[:500],
-                    "where": traceback.format_exc().splitlines()[-3:]}
+            return {
+                "status": "error",
+                "error": f"{type(error).__name__}: {error}"[:500],
+                "where": traceback.format_exc().splitlines()[-3:],
+            }
 
     def model(self, name: str, shape: dict, dtype: torch.dtype, compile_mode) -> dict:
         """Every cell of one model. The batch grid runs every method at one size before the next
@@ -158,27 +225,43 @@ class Run:
         self.results.report["models"][name] = entry
         model = build_model(shape, device, dtype, self.tokenizer)
         weights, per_token = weight_bytes_read(model), kv_bytes_per_token(model)
-        cost = CostModel(model, first_rate_flops=2.5e14 if device.cuda else 2e10,
-                         first_compile_s=args.compile_estimate_s)
-        entry.update(weight_bytes_read_per_step=weights, kv_bytes_per_token=per_token, compile_mode=compile_mode,
-                     free_bytes_after_load=device.free_bytes(), allocated_bytes_after_load=device.allocated_bytes())
-        print(f"{name}: {weights / 2**30:.1f} GiB of weights read per step, {per_token / 2**10:.0f} KiB KV/token, "
-              f"{entry['free_bytes_after_load'] / 2**30:.1f} GiB free", flush=True)
+        cost = CostModel(
+            model, first_rate_flops=2.5e14 if device.cuda else 2e10, first_compile_s=args.compile_estimate_s
+        )
+        entry.update(
+            weight_bytes_read_per_step=weights,
+            kv_bytes_per_token=per_token,
+            compile_mode=compile_mode,
+            free_bytes_after_load=device.free_bytes(),
+            allocated_bytes_after_load=device.allocated_bytes(),
+        )
+        print(
+            f"{name}: {weights / 2**30:.1f} GiB of weights read per step, {per_token / 2**10:.0f} KiB KV/token, "
+            f"{entry['free_bytes_after_load'] / 2**30:.1f} GiB free",
+            flush=True,
+        )
         cells = {(size, batch): {"size": size, "batch": batch} for size in args.sizes for batch in args.batches}
         entry["cells"] = list(cells.values())
         kinds = ["eager"] + ([] if compile_mode is None else ["graph"])
-        order = ([(kind, size) for kind in kinds for size in args.sizes] if args.concurrent
-                 else [(kind, size) for size in args.sizes for kind in kinds])
+        order = (
+            [(kind, size) for kind in kinds for size in args.sizes]
+            if args.concurrent
+            else [(kind, size) for size in args.sizes for kind in kinds]
+        )
         engines: dict = {}
         for i, (kind, size) in enumerate(order):
             if kind not in engines:
                 engines[kind] = self.engine(name, model, kind, compile_mode, cost, entry)
             suffix = "_compiled" if kind == "graph" else ""
-            for method, budget in (("snapkv" + suffix, args.budget), ("full" + suffix, None)):  # SnapKV first: a full cache that runs out of memory cannot starve it
+            for method, budget in (
+                ("snapkv" + suffix, args.budget),
+                ("full" + suffix, None),
+            ):  # SnapKV first: a full cache that runs out of memory cannot starve it
                 for batch in args.batches:
                     cell = cells[size, batch]
-                    cell[method] = self.cell(name, engines[kind], method, budget, size, batch, cost, weights,
-                                             per_token, entry)
+                    cell[method] = self.cell(
+                        name, engines[kind], method, budget, size, batch, cost, weights, per_token, entry
+                    )
                     finish(cell)
                     throughput(entry["cells"])
                     self.results.write()
@@ -189,8 +272,10 @@ class Run:
                 engines.pop(kind).close()
                 device.clean()
         if not args.no_longest and not args.concurrent:
-            entry["longest"] = {m: self.longest(name, engines["eager"], entry, m, b, cost)
-                                for m, b in (("full", None), ("snapkv", args.budget))}
+            entry["longest"] = {
+                m: self.longest(name, engines["eager"], entry, m, b, cost)
+                for m, b in (("full", None), ("snapkv", args.budget))
+            }
             self.results.write()
         for llm in engines.values():
             llm.close()
@@ -205,16 +290,28 @@ class Run:
         recorded per batch size."""
         from snapkv_rag import SnapKVLLM
 
-        llm = SnapKVLLM(model=model, tokenizer=self.tokenizer, snapkv=False, max_batch=max(self.args.batches),
-                        compile=False if kind == "eager" else compile_mode)
+        llm = SnapKVLLM(
+            model=model,
+            tokenizer=self.tokenizer,
+            snapkv=False,
+            max_batch=max(self.args.batches),
+            compile=False if kind == "eager" else compile_mode,
+        )
         small = 2 * self.args.budget
         if kind == "graph":
             entry["compile_s"] = self.compile(name, llm, cost)
             return llm
-        entry["warm_up"] = {batch: self.attempt(
-            f"{name} warm-up x{batch}", cost.seconds(small, batch, 4, 1.0, prefills=2),
-            lambda b=batch: [run_cell(llm, self.device, self.prompt(llm, small), b, budget, 4)
-                             for budget in (None, self.args.budget)][-1]) for batch in self.args.batches}
+        entry["warm_up"] = {
+            batch: self.attempt(
+                f"{name} warm-up x{batch}",
+                cost.seconds(small, batch, 4, 1.0, prefills=2),
+                lambda b=batch: [
+                    run_cell(llm, self.device, self.prompt(llm, small), b, budget, 4)
+                    for budget in (None, self.args.budget)
+                ][-1],
+            )
+            for batch in self.args.batches
+        }
         return llm
 
     def compile(self, name: str, compiled, cost: CostModel) -> dict:
@@ -224,14 +321,22 @@ class Run:
         small = 2 * self.args.budget
         for batch in self.args.batches:
             started = time.perf_counter()
-            outcome = self.attempt(f"{name} compile x{batch}", cost.compile_s + cost.seconds(small, batch, 8, 1.0, 2),
-                                   lambda b=batch: [run_cell(compiled, self.device, self.prompt(compiled, small), b,
-                                                             budget, 8) for budget in (self.args.budget, None)][-1])
+            outcome = self.attempt(
+                f"{name} compile x{batch}",
+                cost.compile_s + cost.seconds(small, batch, 8, 1.0, 2),
+                lambda b=batch: [
+                    run_cell(compiled, self.device, self.prompt(compiled, small), b, budget, 8)
+                    for budget in (self.args.budget, None)
+                ][-1],
+            )
             seconds = time.perf_counter() - started
             if outcome["status"] == "ok":
                 cost.compile_s = seconds  # later batch sizes: one recompile at most
-            out[batch] = {"status": outcome["status"], "seconds": seconds, **{k: outcome[k] for k in outcome
-                                                                              if k in ("error", "reason")}}
+            out[batch] = {
+                "status": outcome["status"],
+                "seconds": seconds,
+                **{k: outcome[k] for k in outcome if k in ("error", "reason")},
+            }
             self.results.write()
         return out
 
@@ -246,11 +351,17 @@ class Run:
         need = cost.bytes_needed(size, batch, steps)
         free = self.device.free_bytes()
         if need > 0.95 * free:
-            return {"status": "OOM", "error": f"predicted: needs {need / 2**30:.1f} GiB (KV and activations), "
-                                              f"{free / 2**30:.1f} GiB free", **base}
+            return {
+                "status": "OOM",
+                "error": f"predicted: needs {need / 2**30:.1f} GiB (KV and activations), {free / 2**30:.1f} GiB free",
+                **base,
+            }
         predicted = cost.seconds(size, batch, steps, floor)
-        outcome = self.attempt(f"{name} {size} x{batch} {method}", predicted,
-                               lambda: run_cell(llm, self.device, self.prompt(llm, size), batch, budget, args.steps))
+        outcome = self.attempt(
+            f"{name} {size} x{batch} {method}",
+            predicted,
+            lambda: run_cell(llm, self.device, self.prompt(llm, size), batch, budget, args.steps),
+        )
         outcome.update(base, predicted_s=predicted)
         if outcome["status"] == "ok":
             outcome["ratio_to_floor"] = outcome["decode_ms_per_token"] / floor
@@ -261,8 +372,11 @@ class Run:
         """The longest batch-1 prompt: a linear fit of peak memory over the measured lengths,
         solved for 95% of what the device can hold, then one real run there if its predicted
         prefill fits the time left."""
-        points = [(c["size"], c[method]["peak_bytes"]) for c in entry["cells"]
-                  if c["batch"] == 1 and c.get(method, {}).get("status") == "ok"]
+        points = [
+            (c["size"], c[method]["peak_bytes"])
+            for c in entry["cells"]
+            if c["batch"] == 1 and c.get(method, {}).get("status") == "ok"
+        ]
         if len(points) < 2:
             return {"status": "not enough points", "points": points}
         n = len(points)
@@ -274,12 +388,20 @@ class Run:
             return {"status": "no growth with length", "points": points}
         capacity = self.device.allocated_bytes() + 0.95 * self.device.free_bytes()
         estimate = int((capacity - intercept) / slope) // 1024 * 1024
-        out = {"status": "estimated", "estimate_tokens": estimate, "bytes_per_token": slope, "fixed_bytes": intercept,
-               "capacity_bytes": capacity, "points": points}
+        out = {
+            "status": "estimated",
+            "estimate_tokens": estimate,
+            "bytes_per_token": slope,
+            "fixed_bytes": intercept,
+            "capacity_bytes": capacity,
+            "points": points,
+        }
         predicted = cost.seconds(estimate, 1, 4, 1.0)
-        check = self.attempt(f"{name} longest {method} {estimate}", predicted,
-                             lambda: run_cell(llm, self.device, random_prompt(self.tokenizer, llm.instruction,
-                                                                              estimate), 1, budget, 4))
+        check = self.attempt(
+            f"{name} longest {method} {estimate}",
+            predicted,
+            lambda: run_cell(llm, self.device, random_prompt(self.tokenizer, llm.instruction, estimate), 1, budget, 4),
+        )
         out["check"] = {k: check[k] for k in ("status", "reason", "error", "peak_bytes", "prefill_s") if k in check}
         out["check"]["predicted_s"] = predicted
         if check["status"] == "ok":
@@ -289,30 +411,60 @@ class Run:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir", type=Path, help="folder to write gpu_decode.json (or gpu_concurrent.json) into, "
-                   "rewritten after every cell")
+    p.add_argument(
+        "out_dir",
+        type=Path,
+        help="folder to write gpu_decode.json (or gpu_concurrent.json) into, rewritten after every cell",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny configs and prompts: a test of the code path")
     p.add_argument("--models", nargs="+", default=None, help=f"subset of {list(MODELS)} (or of {list(TINY_MODELS)})")
-    p.add_argument("--sizes", type=int, nargs="+", default=None, help="prompt lengths (default 16K 32K 64K; "
-                   "with --concurrent 4K)")
-    p.add_argument("--batches", type=int, nargs="+", default=None, help="requests decoded together (default 1 2; "
-                   "with --concurrent 1 8 16)")
-    p.add_argument("--concurrent", action="store_true", help="the concurrency run: many requests at a moderate "
-                   "length, engine by engine, tokens/s against one request's; writes gpu_concurrent.json")
+    p.add_argument(
+        "--sizes", type=int, nargs="+", default=None, help="prompt lengths (default 16K 32K 64K; with --concurrent 4K)"
+    )
+    p.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="requests decoded together (default 1 2; with --concurrent 1 8 16)",
+    )
+    p.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="the concurrency run: many requests at a moderate "
+        "length, engine by engine, tokens/s against one request's; writes gpu_concurrent.json",
+    )
     p.add_argument("--budget", type=int, default=None, help="SnapKV max_capacity_prompt (default 1024; tiny 64)")
-    p.add_argument("--steps", type=int, default=32, help="decode steps per cell; the first 3 are left out of "
-                   "the steady-state ms/token (default 32)")
-    p.add_argument("--time-budget-s", type=float, default=300.0, help="seconds from the process start: no cell "
-                   "starts that is predicted to end after it, and the watchdog ends the run 30 s past it "
-                   "(default 300)")
-    p.add_argument("--compile-estimate-s", type=float, default=None, help="predicted first compile time before "
-                   "one is measured (default 20 on CUDA with --compile-mode True: a CUDA graph capture; 120 with "
-                   "a torch.compile mode; 60 on the CPU)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=32,
+        help="decode steps per cell; the first 3 are left out of the steady-state ms/token (default 32)",
+    )
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=300.0,
+        help="seconds from the process start: no cell "
+        "starts that is predicted to end after it, and the watchdog ends the run 30 s past it "
+        "(default 300)",
+    )
+    p.add_argument(
+        "--compile-estimate-s",
+        type=float,
+        default=None,
+        help="predicted first compile time before "
+        "one is measured (default 20 on CUDA with --compile-mode True: a CUDA graph capture; 120 with "
+        "a torch.compile mode; 60 on the CPU)",
+    )
     p.add_argument("--no-longest", action="store_true", help="skip the longest-prompt estimate and check")
     p.add_argument("--no-compile", action="store_true", help="leave out the graph (compiled) methods")
-    p.add_argument("--compile-mode", default="True", help="the engines' compile= for the graph methods: True "
-                   "(default) or a torch.compile mode name")
+    p.add_argument(
+        "--compile-mode",
+        default="True",
+        help="the engines' compile= for the graph methods: True (default) or a torch.compile mode name",
+    )
     args = p.parse_args(argv)
     args.budget = args.budget or (64 if args.tiny else 1024)
     if args.concurrent:
@@ -339,13 +491,26 @@ def main(argv=None) -> int:
     dtype = torch.float32 if (args.tiny and not device.cuda) else torch.bfloat16
     compile_mode = None if args.no_compile else args.compile_mode
     deadline = STARTED + args.time_budget_s
-    results = ResultFile(args.out_dir / ("gpu_concurrent.json" if args.concurrent else "gpu_decode.json"), {
-        "benchmark": "gpu_decode", "concurrent": args.concurrent, "device": device.name(),
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch": torch.__version__, "budget": args.budget, "steps": args.steps, "warm_steps_left_out": WARM_STEPS,
-        "sizes": args.sizes, "batches": args.batches, "tiny": args.tiny, "time_budget_s": args.time_budget_s,
-        "command": "python benchmarks/gpu_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "models": {}, "ended": "running"})
+    results = ResultFile(
+        args.out_dir / ("gpu_concurrent.json" if args.concurrent else "gpu_decode.json"),
+        {
+            "benchmark": "gpu_decode",
+            "concurrent": args.concurrent,
+            "device": device.name(),
+            "dtype": str(dtype).removeprefix("torch."),
+            "torch": torch.__version__,
+            "budget": args.budget,
+            "steps": args.steps,
+            "warm_steps_left_out": WARM_STEPS,
+            "sizes": args.sizes,
+            "batches": args.batches,
+            "tiny": args.tiny,
+            "time_budget_s": args.time_budget_s,
+            "command": "python benchmarks/gpu_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "models": {},
+            "ended": "running",
+        },
+    )
     watchdog = Watchdog(results, deadline, grace_s=30.0)
     import transformers
 

@@ -26,8 +26,9 @@ def finish(cell: dict) -> None:
             cell["fraction_of_ceiling" + suffix] = speedup / ceiling
     for method in ("full", "snapkv"):
         if ok(cell, method) and ok(cell, method + "_compiled"):
-            cell[f"compile_gain_{method}"] = (cell[method]["decode_ms_per_token"]
-                                             / cell[method + "_compiled"]["decode_ms_per_token"])
+            cell[f"compile_gain_{method}"] = (
+                cell[method]["decode_ms_per_token"] / cell[method + "_compiled"]["decode_ms_per_token"]
+            )
 
 
 def throughput(cells: list[dict]) -> None:
@@ -48,8 +49,10 @@ def throughput(cells: list[dict]) -> None:
 def describe(outcome: dict) -> str:
     if outcome["status"] != "ok":
         return f"[{outcome['status']}] {outcome.get('reason') or outcome.get('error') or ''}"
-    return (f"{outcome['decode_ms_per_token']:.2f} ms/token ({outcome['ratio_to_floor']:.2f}x floor), prefill "
-            f"{outcome['prefill_s']:.2f} s, peak {outcome['peak_bytes'] / 2**30:.1f} GiB")
+    return (
+        f"{outcome['decode_ms_per_token']:.2f} ms/token ({outcome['ratio_to_floor']:.2f}x floor), prefill "
+        f"{outcome['prefill_s']:.2f} s, peak {outcome['peak_bytes'] / 2**30:.1f} GiB"
+    )
 
 
 def _show(cell: dict, method: str) -> str:
@@ -76,20 +79,33 @@ def table(report: dict) -> str:
     """One row per (model, prompt, batch or concurrent requests); then the longest prompts."""
     concurrent = report.get("concurrent", False)
     rows = "concurrent requests" if concurrent else "batch"
-    extra = (" tokens/s vs one request: full eager / graph, SnapKV eager / graph |" if concurrent
-             else " peak GiB full / SnapKV |")
-    lines = [f"| model | prompt | {rows} | full ms/token (x floor) | SnapKV (x floor) | speedup / ceiling | "
-             f"full graph (x floor) | SnapKV graph (x floor) | speedup / ceiling graph |{extra}",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    extra = (
+        " tokens/s vs one request: full eager / graph, SnapKV eager / graph |"
+        if concurrent
+        else " peak GiB full / SnapKV |"
+    )
+    lines = [
+        f"| model | prompt | {rows} | full ms/token (x floor) | SnapKV (x floor) | speedup / ceiling | "
+        f"full graph (x floor) | SnapKV graph (x floor) | speedup / ceiling graph |{extra}",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, entry in report["models"].items():
         for cell in entry.get("cells", []):
-            last = (" / ".join(_times_one(cell, m) for m in ("full", "full_compiled")) + ", "
-                    + " / ".join(_times_one(cell, m) for m in ("snapkv", "snapkv_compiled")) if concurrent
-                    else f"{_peak(cell, 'full')} / {_peak(cell, 'snapkv')}")
-            lines.append(f"| {name} | {cell['size']} | {cell['batch']} | {_show(cell, 'full')} | "
-                         f"{_show(cell, 'snapkv')} | {_speed(cell, '')} | {_show(cell, 'full_compiled')} | "
-                         f"{_show(cell, 'snapkv_compiled')} | {_speed(cell, '_compiled')} | {last} |")
+            last = (
+                " / ".join(_times_one(cell, m) for m in ("full", "full_compiled"))
+                + ", "
+                + " / ".join(_times_one(cell, m) for m in ("snapkv", "snapkv_compiled"))
+                if concurrent
+                else f"{_peak(cell, 'full')} / {_peak(cell, 'snapkv')}"
+            )
+            lines.append(
+                f"| {name} | {cell['size']} | {cell['batch']} | {_show(cell, 'full')} | "
+                f"{_show(cell, 'snapkv')} | {_speed(cell, '')} | {_show(cell, 'full_compiled')} | "
+                f"{_show(cell, 'snapkv_compiled')} | {_speed(cell, '_compiled')} | {last} |"
+            )
         for method, fit in entry.get("longest", {}).items():
-            lines.append(f"| {name} | longest ({method}) | 1 | {fit.get('status')}: "
-                         f"{fit.get('verified_tokens', fit.get('estimate_tokens', '-'))} tokens | | | | | | |")
+            lines.append(
+                f"| {name} | longest ({method}) | 1 | {fit.get('status')}: "
+                f"{fit.get('verified_tokens', fit.get('estimate_tokens', '-'))} tokens | | | | | | |"
+            )
     return "\n".join(lines)

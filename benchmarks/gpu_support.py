@@ -21,18 +21,19 @@ import torch
 
 # ids 0-2 as in the embedded model's tokenizer (the tests' tiny models take 2 as end and padding)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<pad>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 # ---------------------------------------------------------------- prompts
 def word_tokenizer(words: int = 2000):
     """A word-level tokenizer over the most frequent words of the benchmark passages: one word is
     one token, so a prompt of any length is exact and cheap to make."""
+    from rag_prompts import records
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from rag_prompts import records
 
     counts = Counter(w for r in records() for w in (r["text"] + " " + r["question"]).split() if w.isalpha())
     vocab = {token: i for i, token in enumerate(SPECIALS)}
@@ -41,10 +42,12 @@ def word_tokenizer(words: int = 2000):
     for token in ("[", "]", ":", "?", ".", ",", "Documents", "Question", "Title") + tuple(str(n) for n in range(1000)):
         vocab.setdefault(token, len(vocab))
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                  pre_tokenizers.Punctuation(), pre_tokenizers.Digits(True)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
-                                        bos_token="<|im_start|>", eos_token="<|im_end|>")
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(), pre_tokenizers.Digits(True)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -56,7 +59,9 @@ def rag_ids(tokenizer, instruction: str, question: str, docs: list[str]) -> list
 
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": rag_user_message(question, to_documents(docs), instruction)}],
-        add_generation_prompt=True, tokenize=False)
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -72,8 +77,10 @@ def random_prompt(tokenizer, instruction: str, target: int, seed: int = 0) -> tu
     doc_words = 500
     base = length(["x"])
     per_doc = length(["x", "x"]) - base  # the cost of one more (one-word) document
-    docs = [" ".join(rng.choices(words, k=doc_words))
-            for _ in range(max(0, (target - base - doc_words - per_doc) // (doc_words + per_doc)))]
+    docs = [
+        " ".join(rng.choices(words, k=doc_words))
+        for _ in range(max(0, (target - base - doc_words - per_doc) // (doc_words + per_doc)))
+    ]
     short = length(docs + ["x"])
     docs.append(" ".join(rng.choices(words, k=max(1, target - short + 1))))
     got = length(docs)
@@ -253,6 +260,5 @@ class Watchdog:
         while time.monotonic() < self.kill_at:
             time.sleep(0.5)
         self.results.write(ended=f"killed by the watchdog at the deadline, during: {self.doing}")
-        print(f"watchdog: deadline passed during {self.doing}; results so far are in {self.results.path}",
-              flush=True)
+        print(f"watchdog: deadline passed during {self.doing}; results so far are in {self.results.path}", flush=True)
         os._exit(124)

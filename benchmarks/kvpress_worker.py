@@ -23,13 +23,21 @@ import argparse
 import json
 import sys
 import time
+from contextlib import nullcontext
 from importlib import metadata
 
 import torch
-from contextlib import nullcontext
-
-from kvpress import (AdaKVPress, ChunkKVPress, CriticalAdaKVPress, ExpectedAttentionPress, FinchPress, KnormPress,
-                     KVzipPress, SnapKVPress, TOVAPress)
+from kvpress import (
+    AdaKVPress,
+    ChunkKVPress,
+    CriticalAdaKVPress,
+    ExpectedAttentionPress,
+    FinchPress,
+    KnormPress,
+    KVzipPress,
+    SnapKVPress,
+    TOVAPress,
+)
 from transformers import AutoModelForCausalLM, DynamicCache
 
 PRESSES = ("snapkv", "adakv", "criticaladakv", "finch", "chunkkv", "tova")
@@ -67,7 +75,7 @@ def answer(model, request: dict) -> dict:
     ratio = max(0.0, 1.0 - (request["budget"] + 0.5) / length)
     press = None if request.get("press", "snapkv") is None else make_press(request, ratio)
     if isinstance(press, FinchPress):  # the delimiter goes before the question; the hook removes it
-        ids = ids[:request["question_start"]] + [request["delimiter_id"]] + ids[request["question_start"]:]
+        ids = ids[: request["question_start"]] + [request["delimiter_id"]] + ids[request["question_start"] :]
     cache = DynamicCache()
     with torch.inference_mode():
         start = time.perf_counter()
@@ -78,9 +86,14 @@ def answer(model, request: dict) -> dict:
         decode_start = time.perf_counter()
         tokens, steps = decode(model, cache, logits, length, request)
         decode_s = time.perf_counter() - decode_start
-    return {"tokens": tokens, "answer_s": time.perf_counter() - start, "prefill_s": prefill_s,
-            "decode_ms_per_token": 1000 * decode_s / steps if steps else 0.0, "kept": kept,
-            "compression_ratio": ratio}
+    return {
+        "tokens": tokens,
+        "answer_s": time.perf_counter() - start,
+        "prefill_s": prefill_s,
+        "decode_ms_per_token": 1000 * decode_s / steps if steps else 0.0,
+        "kept": kept,
+        "compression_ratio": ratio,
+    }
 
 
 def decode(model, cache, logits, position: int, request: dict) -> tuple[list[int], int]:
@@ -95,8 +108,12 @@ def decode(model, cache, logits, position: int, request: dict) -> tuple[list[int
         tokens.append(token)
         if token in stops or step == request["max_new_tokens"] - 1:
             break
-        logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                       position_ids=torch.tensor([[position + step]]), logits_to_keep=1).logits
+        logits = model(
+            input_ids=torch.tensor([[token]]),
+            past_key_values=cache,
+            position_ids=torch.tensor([[position + step]]),
+            logits_to_keep=1,
+        ).logits
         steps += 1
     return tokens, steps
 
@@ -121,14 +138,23 @@ def follow_up(model, request: dict) -> dict:
         answers, first = [], []
         for tail in request["tails"]:
             begin = time.perf_counter()
-            logits = model(input_ids=torch.tensor([tail]), past_key_values=cache, logits_to_keep=1,
-                           position_ids=torch.arange(len(context), len(context) + len(tail))[None]).logits
+            logits = model(
+                input_ids=torch.tensor([tail]),
+                past_key_values=cache,
+                logits_to_keep=1,
+                position_ids=torch.arange(len(context), len(context) + len(tail))[None],
+            ).logits
             first.append(time.perf_counter() - begin)
             answers.append(decode(model, cache, logits, len(context) + len(tail), request)[0])
             for layer, n in zip(cache.layers, lengths):
                 layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
-    return {"answers": answers, "first_token_s": first, "build_s": build_s, "kept": sum(lengths) / len(lengths),
-            "compression_ratio": ratio}
+    return {
+        "answers": answers,
+        "first_token_s": first,
+        "build_s": build_s,
+        "kept": sum(lengths) / len(lengths),
+        "compression_ratio": ratio,
+    }
 
 
 def main() -> None:

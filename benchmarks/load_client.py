@@ -26,8 +26,13 @@ import httpx
 import psutil
 
 HOST = "127.0.0.1"
-QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
-             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
+QUIET_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def exit_on_sigterm() -> None:
@@ -74,8 +79,24 @@ PAGE_TOKENS = 256  # transformers' continuous batching: tokens per cache block (
 def transformers_command(model_dir: Path, port: int, num_blocks: int | None = None) -> list[str]:
     """``transformers serve`` with continuous batching (paged, full cache), float32 on the CPU.
     ``num_blocks`` sizes its KV cache (blocks of 256 tokens); by default it takes most of the RAM."""
-    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir), "--continuous-batching",
-               "--device", "cpu", "--dtype", "float32", "--host", HOST, "--port", str(port), "--log-level", "error"]
+    command = [
+        sys.executable,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        str(model_dir),
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+    ]
     return command + (["--cb-num-blocks", str(num_blocks)] if num_blocks else [])
 
 
@@ -114,7 +135,7 @@ class PeakRSS:
     def reset(self) -> None:
         self.peak = tree_rss(self.pid)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self._thread.start()
         return self
 
@@ -136,23 +157,36 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(name: str, command: list[str], port: int, model: str | None = None, start_timeout_s: float = 300,
-                   log_dir: Path | None = None, env: dict | None = None):
+def running_server(
+    name: str,
+    command: list[str],
+    port: int,
+    model: str | None = None,
+    start_timeout_s: float = 300,
+    log_dir: Path | None = None,
+    env: dict | None = None,
+):
     """Start ``command`` (a server on ``port``), wait for ``/health`` and yield a :class:`Server`;
     stop it on exit. ``model`` None: the first id of ``/v1/models``."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="load-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **QUIET_ENV, **(env or {})},
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **QUIET_ENV, **(env or {})},
+            start_new_session=True,
+        )
     server = Server(name, f"http://{HOST}:{port}", model or "", process, log_path)
     try:
         deadline = time.monotonic() + start_timeout_s
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"server {name} exited with {process.returncode} before it was healthy:\n"
-                                   f"{server.log_tail()}")
+                raise RuntimeError(
+                    f"server {name} exited with {process.returncode} before it was healthy:\n{server.log_tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
                     break
@@ -199,8 +233,9 @@ class Outcome:
         return self.status == 200 and self.error is None
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, timeout_s: float,
-                      cut_after_chunks: int | None = None) -> Outcome:
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, body: dict, timeout_s: float, cut_after_chunks: int | None = None
+) -> Outcome:
     """POST ``body`` with ``stream: true`` and read the SSE stream to its end (or close it after
     ``cut_after_chunks`` content chunks: a client that goes away mid-answer)."""
     out, start = Outcome(), time.perf_counter()
@@ -272,14 +307,21 @@ def summarise(outcomes: list[Outcome], clients: int, wall_s: float, new_tokens: 
     good = [o for o in outcomes if o.ok]
     tokens = sum(o.completion_tokens or 0 for o in good)
     return LevelStats(
-        clients=clients, requests=len(outcomes), wall_s=round(wall_s, 3), output_tokens=tokens,
-        tokens_per_s=round(tokens / wall_s, 3) if wall_s > 0 else 0.0, failed=len(outcomes) - len(good),
+        clients=clients,
+        requests=len(outcomes),
+        wall_s=round(wall_s, 3),
+        output_tokens=tokens,
+        tokens_per_s=round(tokens / wall_s, 3) if wall_s > 0 else 0.0,
+        failed=len(outcomes) - len(good),
         wrong_length=sum(1 for o in good if o.completion_tokens != new_tokens),
-        latency_p50_s=percentile([o.latency_s for o in good], 50), latency_p95_s=percentile([o.latency_s for o in good], 95),
+        latency_p50_s=percentile([o.latency_s for o in good], 50),
+        latency_p95_s=percentile([o.latency_s for o in good], 95),
         ttft_p50_s=percentile([o.ttft_s for o in good if o.ttft_s is not None], 50),
         ttft_p95_s=percentile([o.ttft_s for o in good if o.ttft_s is not None], 95),
-        peak_rss_mib=round(peak_rss / 2**20, 1), prompt_tokens=[o.prompt_tokens for o in outcomes],
-        errors=sorted({o.error for o in outcomes if o.error})[:5])
+        peak_rss_mib=round(peak_rss / 2**20, 1),
+        prompt_tokens=[o.prompt_tokens for o in outcomes],
+        errors=sorted({o.error for o in outcomes if o.error})[:5],
+    )
 
 
 def median(values: list[float]) -> float:

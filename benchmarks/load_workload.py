@@ -40,7 +40,9 @@ def nq_requests(count: int, seed: int = 0) -> list[RagRequest]:
     out = []
     for i, question_id in enumerate(sorted(by_question, key=int)):
         example = by_question[question_id][sizes[i % len(sizes)]]
-        out.append(RagRequest(example.question, tuple({"title": d["title"], "text": d["text"]} for d in example.documents)))
+        out.append(
+            RagRequest(example.question, tuple({"title": d["title"], "text": d["text"]} for d in example.documents))
+        )
     return out
 
 
@@ -53,9 +55,14 @@ def engine_forces_length() -> bool:
 
 def ours_body(request: RagRequest, model: str, new_tokens: int) -> dict:
     """Our server: documents in the top-level ``documents`` list, length forced by ``ignore_eos``."""
-    body = {"model": model, "messages": [{"role": "user", "content": request.question}],
-            "documents": list(request.documents), "max_tokens": new_tokens, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": request.question}],
+        "documents": list(request.documents),
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     return {**body, "ignore_eos": True} if engine_forces_length() else body
 
 
@@ -70,8 +77,13 @@ def transformers_body(request: RagRequest, model: str, new_tokens: int) -> dict:
     """``transformers serve``: the rendered user turn; the length forced by an ``eos_token_id`` of -1
     in the request's generation config (its continuous batching then checks no end token)."""
     config = {"max_new_tokens": new_tokens, "do_sample": False, "eos_token_id": -1}
-    return {"model": model, "messages": [{"role": "user", "content": rendered_user_turn(request)}],
-            "max_tokens": new_tokens, "temperature": 0, "generation_config": json.dumps(config)}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": rendered_user_turn(request)}],
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "generation_config": json.dumps(config),
+    }
 
 
 def prompt_lengths(model_dir, requests: list[RagRequest]) -> list[int]:
@@ -79,9 +91,17 @@ def prompt_lengths(model_dir, requests: list[RagRequest]) -> list[int]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [len(tokenizer.apply_chat_template([{"role": "user", "content": rendered_user_turn(r)}],
-                                              add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-            for r in requests]
+    return [
+        len(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": rendered_user_turn(r)}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for r in requests
+    ]
 
 
 def _forced(llm) -> dict:
@@ -102,13 +122,22 @@ def decode_step_s(llm, requests: list[RagRequest], batch: int, steps: int = 16) 
     between two prefills) every row still has at least ``steps`` to go; the median of its first
     ``steps`` step times. ``batch_seen`` is the most rows it decoded with."""
     chosen = [requests[i % len(requests)] for i in range(batch)]
-    results = llm.generate_batch([r.question for r in chosen], [list(r.documents) for r in chosen], batch_size=batch,
-                                 max_new_tokens=batch + steps, **_forced(llm))
+    results = llm.generate_batch(
+        [r.question for r in chosen],
+        [list(r.documents) for r in chosen],
+        batch_size=batch,
+        max_new_tokens=batch + steps,
+        **_forced(llm),
+    )
     last = results[-1].timings
     measured = last.decode_step_ms[:steps]
-    return {"batch": batch, "batch_seen": last.batch_size, "steps": len(measured),
-            "step_s": statistics.median(measured) / 1000 if measured else None,
-            "kept_tokens_max": max(max(r.compression.kept_tokens, default=0) for r in results)}
+    return {
+        "batch": batch,
+        "batch_seen": last.batch_size,
+        "steps": len(measured),
+        "step_s": statistics.median(measured) / 1000 if measured else None,
+        "kept_tokens_max": max(max(r.compression.kept_tokens, default=0) for r in results),
+    }
 
 
 def ideal(prefills_s: list[float], requests_sent: int, clients: int, step_s: float, new_tokens: int) -> dict:
@@ -118,11 +147,17 @@ def ideal(prefills_s: list[float], requests_sent: int, clients: int, step_s: flo
     prefill_total = sum(prefills_s[i % len(prefills_s)] for i in range(requests_sent))
     decode_total = requests_sent / clients * new_tokens * step_s
     wall = prefill_total + decode_total
-    return {"wall_s": round(wall, 3), "prefill_s": round(prefill_total, 3), "decode_s": round(decode_total, 3),
-            "tokens_per_s": round(requests_sent * new_tokens / wall, 3)}
+    return {
+        "wall_s": round(wall, 3),
+        "prefill_s": round(prefill_total, 3),
+        "decode_s": round(decode_total, 3),
+        "tokens_per_s": round(requests_sent * new_tokens / wall, 3),
+    }
 
 
-def padded_generate(model_dir: str, prompt_ids: list[list[int]], batch: int, new_tokens: int, threads: int | None = None) -> dict:
+def padded_generate(
+    model_dir: str, prompt_ids: list[list[int]], batch: int, new_tokens: int, threads: int | None = None
+) -> dict:
     """transformers' ``model.generate`` (greedy, length forced by ``min_new_tokens``) over left-padded
     batches of ``batch`` prompts, the same token ids: output tokens/s over the whole run."""
     import torch
@@ -139,13 +174,24 @@ def padded_generate(model_dir: str, prompt_ids: list[list[int]], batch: int, new
         input_ids = torch.tensor([[pad] * (longest - len(ids)) + ids for ids in group])
         mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in group])
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, pad_token_id=pad)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=pad,
+            )
         return (out.shape[1] - longest) * len(group)
 
     run(prompt_ids[:1])  # warm-up
     start = time.perf_counter()
-    tokens = sum(run(prompt_ids[i:i + batch]) for i in range(0, len(prompt_ids), batch))
+    tokens = sum(run(prompt_ids[i : i + batch]) for i in range(0, len(prompt_ids), batch))
     wall = time.perf_counter() - start
-    return {"batch": batch, "requests": len(prompt_ids), "wall_s": round(wall, 3), "output_tokens": tokens,
-            "tokens_per_s": round(tokens / wall, 3)}
+    return {
+        "batch": batch,
+        "requests": len(prompt_ids),
+        "wall_s": round(wall, 3),
+        "output_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 3),
+    }

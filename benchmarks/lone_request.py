@@ -43,23 +43,43 @@ def measure(prompts: int, tokens: int, max_new: int, repeats: int) -> dict:
             start = time.perf_counter()
             result = llm.generate(prompt.question, prompt.documents)
             walls.append(time.perf_counter() - start)
-        rows.append({"prompt_tokens": result.usage.prompt_tokens, "wall_s": min(walls),
-                     "prefill_s": result.timings.prefill_s, "decode_ms_per_token": result.timings.decode_ms_per_token,
-                     "new_tokens": result.usage.completion_tokens, "text": result.text})
+        rows.append(
+            {
+                "prompt_tokens": result.usage.prompt_tokens,
+                "wall_s": min(walls),
+                "prefill_s": result.timings.prefill_s,
+                "decode_ms_per_token": result.timings.decode_ms_per_token,
+                "new_tokens": result.usage.completion_tokens,
+                "text": result.text,
+            }
+        )
     return {"rows": rows}
 
 
 def run_tree(tree: Path, args, out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--prompts", str(args.prompts),
-               "--tokens", str(args.tokens), "--max-new-tokens", str(args.max_new_tokens), "--out", str(out)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--prompts",
+        str(args.prompts),
+        "--tokens",
+        str(args.tokens),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--out",
+        str(out),
+    ]
     subprocess.run(command, env=env, check=True, cwd=tree, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("before", type=Path, nargs="?", help="the other checkout (e.g. a git worktree of an older commit)")
+    parser.add_argument(
+        "before", type=Path, nargs="?", help="the other checkout (e.g. a git worktree of an older commit)"
+    )
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=900)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -88,19 +108,38 @@ def main() -> None:
         ratio = best["before"] / best["after"]
         ratios.append(ratio)
         row = runs["after"][0]["rows"][i]
-        table.append({"prompt_tokens": row["prompt_tokens"], "new_tokens": row["new_tokens"], "best_s": best,
-                      "median_s": median, "speed_ratio_best": ratio,
-                      "speed_ratio_median": median["before"] / median["after"], "same_answers": same})
-        print(f"  {row['prompt_tokens']} tokens, {row['new_tokens']} new: before {best['before']:.2f} s, "
-              f"after {best['after']:.2f} s (best of {args.rounds}); speed after/before {ratio:.3f} "
-              f"(medians {median['before'] / median['after']:.3f}); same answers: {same}")
+        table.append(
+            {
+                "prompt_tokens": row["prompt_tokens"],
+                "new_tokens": row["new_tokens"],
+                "best_s": best,
+                "median_s": median,
+                "speed_ratio_best": ratio,
+                "speed_ratio_median": median["before"] / median["after"],
+                "same_answers": same,
+            }
+        )
+        print(
+            f"  {row['prompt_tokens']} tokens, {row['new_tokens']} new: before {best['before']:.2f} s, "
+            f"after {best['after']:.2f} s (best of {args.rounds}); speed after/before {ratio:.3f} "
+            f"(medians {median['before'] / median['after']:.3f}); same answers: {same}"
+        )
     geo = statistics.geometric_mean(ratios)
     print(f"lone request speed, after vs before (geometric mean of best runs): {geo:.3f} (target >= 0.95)")
     if args.out:
-        args.out.write_text(json.dumps({"benchmark": "lone_request", "rounds": args.rounds, "threads": args.threads,
-                                        "speed_ratio": geo, "requests": table,
-                                        "command": "python benchmarks/lone_request.py BEFORE " + " ".join(
-                                            a for a in sys.argv[2:])}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "benchmark": "lone_request",
+                    "rounds": args.rounds,
+                    "threads": args.threads,
+                    "speed_ratio": geo,
+                    "requests": table,
+                    "command": "python benchmarks/lone_request.py BEFORE " + " ".join(a for a in sys.argv[2:]),
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

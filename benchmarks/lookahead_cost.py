@@ -38,12 +38,15 @@ sys.path.insert(0, str(HERE.parent))
 def methods(budget: int) -> dict:
     from snapkv_rag import AdaSnapKVConfig, LookaheadSnapKVConfig, SnapKVConfig
 
-    return {"snapkv": SnapKVConfig(max_capacity_prompt=budget), "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=budget),
-            "lookahead1": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=1),
-            "lookahead4": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4),
-            "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # the default: an even split
-            "lookahead_one_by_one": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # guessing off
-            "lookahead_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=0.2)}  # ragged heads
+    return {
+        "snapkv": SnapKVConfig(max_capacity_prompt=budget),
+        "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=budget),
+        "lookahead1": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=1),
+        "lookahead4": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4),
+        "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # the default: an even split
+        "lookahead_one_by_one": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # guessing off
+        "lookahead_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=0.2),
+    }  # ragged heads
 
 
 def main() -> None:
@@ -52,12 +55,21 @@ def main() -> None:
     parser.add_argument("--docs", type=int, nargs="+", default=[10, 20, 30], help="passages per prompt")
     parser.add_argument("--share", type=float, default=0.25)
     parser.add_argument("--prompts", type=int, default=3, help="NQ questions per prompt size")
-    parser.add_argument("--methods", nargs="+", default=["snapkv", "adasnapkv", "lookahead", "lookahead_one_by_one"],
-                        choices=list(methods(64)), help="what to time (snapkv always runs: the ratios' base)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["snapkv", "adasnapkv", "lookahead", "lookahead_one_by_one"],
+        choices=list(methods(64)),
+        help="what to time (snapkv always runs: the ratios' base)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warm", type=int, default=16, help="other questions whose drafts the guesses may use")
-    parser.add_argument("--decode-tokens", type=int, default=0,
-                        help="also time this many decode steps from each method's cache (median step, ms)")
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=0,
+        help="also time this many decode steps from each method's cache (median step, ms)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -76,8 +88,11 @@ def main() -> None:
         runner.prefill([ids], {"warm": methods(round(args.share * len(ids)))["lookahead"]})
     earlier = list(lookahead.PAST_DRAFTS.get(runner, []))  # the warm-up drafts, the same for every timed run
     decode = " decode step, ms | vs SnapKV |" if args.decode_tokens else ""
-    print(f"| passages | prompt tokens (mean) | method | to compressed cache, s | vs SnapKV | draft passes |{decode}\n"
-          f"|---|---|---|---|---|---|{'---|---|' if decode else ''}", flush=True)
+    print(
+        f"| passages | prompt tokens (mean) | method | to compressed cache, s | vs SnapKV | draft passes |{decode}\n"
+        f"|---|---|---|---|---|---|{'---|---|' if decode else ''}",
+        flush=True,
+    )
     for docs in args.docs:
         seconds = {name: 0.0 for name in names}
         passes: dict[str, list[int]] = {name: [] for name in names}
@@ -91,13 +106,15 @@ def main() -> None:
             draft: list[int] = []  # the passes after the prompt, counted by wrapping the runner's forward
             forward = runner.forward
             runner.forward = lambda input_ids, mask, positions, *rest, **kw: (
-                draft.append(1) if int(positions[0, 0]) >= len(ids) else None) or forward(input_ids, mask, positions,
-                                                                                           *rest, **kw)
+                (draft.append(1) if int(positions[0, 0]) >= len(ids) else None)
+                or forward(input_ids, mask, positions, *rest, **kw)
+            )
             times: dict[str, list[float]] = {name: [] for name in configs}
             for round_ in range(args.rounds + 1):
-                for name in (names if round_ % 2 else list(reversed(names))):
-                    lookahead.draft_and_vote = (functools.partial(guessing, speculate=False)
-                                                if name == "lookahead_one_by_one" else guessing)
+                for name in names if round_ % 2 else list(reversed(names)):
+                    lookahead.draft_and_vote = (
+                        functools.partial(guessing, speculate=False) if name == "lookahead_one_by_one" else guessing
+                    )
                     draft.clear()
                     lookahead.PAST_DRAFTS[runner] = collections.deque(earlier, maxlen=64)
                     start = time.perf_counter()
@@ -107,8 +124,13 @@ def main() -> None:
                     if round_ == 1 and name.startswith("lookahead"):
                         passes[name].append(len(draft))
                     if round_ and args.decode_tokens:  # the steady steps: the first one left out
-                        result = llm.generate(example.question, list(example.documents), snapkv=configs[name],
-                                              max_new_tokens=args.decode_tokens, ignore_eos=True)
+                        result = llm.generate(
+                            example.question,
+                            list(example.documents),
+                            snapkv=configs[name],
+                            max_new_tokens=args.decode_tokens,
+                            ignore_eos=True,
+                        )
                         steps[name].extend(result.timings.decode_step_ms[1:])
             runner.forward = forward
             lookahead.draft_and_vote = guessing
@@ -116,12 +138,20 @@ def main() -> None:
                 seconds[name] += statistics.median(values)
         base = seconds["snapkv"]
         for name in names:
-            record = {"passages": docs, "prompts": len(examples), "prompt_tokens": tokens, "method": name,
-                      "seconds": seconds[name], "vs_snapkv": seconds[name] / base}
+            record = {
+                "passages": docs,
+                "prompts": len(examples),
+                "prompt_tokens": tokens,
+                "method": name,
+                "seconds": seconds[name],
+                "vs_snapkv": seconds[name] / base,
+            }
             mean_passes = statistics.mean(passes[name]) if passes[name] else None
             record["draft_passes"] = passes[name] or None
-            line = (f"| {docs} | {round(statistics.mean(tokens))} | {name} | {seconds[name]:.2f} | "
-                    f"{seconds[name] / base:.2f}x | {'' if mean_passes is None else f'{mean_passes:.1f}'} |")
+            line = (
+                f"| {docs} | {round(statistics.mean(tokens))} | {name} | {seconds[name]:.2f} | "
+                f"{seconds[name] / base:.2f}x | {'' if mean_passes is None else f'{mean_passes:.1f}'} |"
+            )
             if steps[name]:
                 record["decode_step_ms"] = statistics.median(steps[name])
                 record["decode_vs_snapkv"] = record["decode_step_ms"] / statistics.median(steps["snapkv"])
@@ -129,10 +159,19 @@ def main() -> None:
             records.append(record)
             print(line, flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"share": args.share, "rounds": args.rounds, "decode_tokens": args.decode_tokens,
-                                        "warm": args.warm,
-                                        "command": "python benchmarks/lookahead_cost.py " + " ".join(sys.argv[1:]),
-                                        "records": records}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "share": args.share,
+                    "rounds": args.rounds,
+                    "decode_tokens": args.decode_tokens,
+                    "warm": args.warm,
+                    "command": "python benchmarks/lookahead_cost.py " + " ".join(sys.argv[1:]),
+                    "records": records,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -30,14 +30,26 @@ def timed(llm, prompt, n: int, seed: int, max_new_tokens: int) -> dict:
     """One request's wall time and figures (prefills counted by the engine's scheduler)."""
     before = llm.stats().prefills
     start = time.perf_counter()
-    result = llm.generate(prompt.question, prompt.documents, n=n, temperature=0.7, seed=seed,
-                          max_new_tokens=max_new_tokens, ignore_eos=True)
+    result = llm.generate(
+        prompt.question,
+        prompt.documents,
+        n=n,
+        temperature=0.7,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=True,
+    )
     seconds = time.perf_counter() - start
     answers = result.choices or [result]
-    return {"n": n, "seconds": seconds, "prefills": llm.stats().prefills - before, "prefill_s": result.timings.prefill_s,
-            "completion_tokens": result.usage.completion_tokens,
-            "decode_ms_per_token": statistics.mean(a.timings.decode_ms_per_token for a in answers),
-            "batch_size": max(a.timings.batch_size for a in answers)}
+    return {
+        "n": n,
+        "seconds": seconds,
+        "prefills": llm.stats().prefills - before,
+        "prefill_s": result.timings.prefill_s,
+        "completion_tokens": result.usage.completion_tokens,
+        "decode_ms_per_token": statistics.mean(a.timings.decode_ms_per_token for a in answers),
+        "batch_size": max(a.timings.batch_size for a in answers),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,25 +68,43 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = SnapKVLLM(prefix_cache_bytes=0)
     prompt = build_prompt(llm.tokenizer, args.tokens)
-    llm.generate("Who wrote it?", [{"title": "Warm-up", "text": "A short text for the warm-up."}], n=2,
-                 temperature=0.7, max_new_tokens=4)
+    llm.generate(
+        "Who wrote it?",
+        [{"title": "Warm-up", "text": "A short text for the warm-up."}],
+        n=2,
+        temperature=0.7,
+        max_new_tokens=4,
+    )
     rows = []
     for round_ in range(args.repeats):
         order = (1, args.n) if round_ % 2 == 0 else (args.n, 1)
         for n in order:
             rows.append({"round": round_, **timed(llm, prompt, n, seed=round_, max_new_tokens=args.max_new_tokens)})
             r = rows[-1]
-            print(f"round {round_} n={n}: {r['seconds']:.2f} s (prefill {r['prefill_s']:.2f} s, {r['prefills']} "
-                  f"prefill, {r['completion_tokens']} tokens at {r['decode_ms_per_token']:.1f} ms/token per row)",
-                  flush=True)
+            print(
+                f"round {round_} n={n}: {r['seconds']:.2f} s (prefill {r['prefill_s']:.2f} s, {r['prefills']} "
+                f"prefill, {r['completion_tokens']} tokens at {r['decode_ms_per_token']:.1f} ms/token per row)",
+                flush=True,
+            )
     one = statistics.median(r["seconds"] for r in rows if r["n"] == 1)
     many = statistics.median(r["seconds"] for r in rows if r["n"] == args.n)
-    summary = {"model": Path(llm.model_name).name, "prompt_tokens": llm.prompt_tokens(prompt.question, prompt.documents),
-               "max_new_tokens": args.max_new_tokens, "temperature": 0.7, "n": args.n, "repeats": args.repeats,
-               "median_s_n1": one, f"median_s_n{args.n}": many, "ratio": many / one, "target_ratio": 1.6,
-               "quick": args.quick}
-    print(f"n={args.n}: {many:.2f} s, n=1: {one:.2f} s (medians of {args.repeats}): {many / one:.2f}x "
-          f"(target <= 1.6x) on a {summary['prompt_tokens']}-token prompt, {args.max_new_tokens}-token answers")
+    summary = {
+        "model": Path(llm.model_name).name,
+        "prompt_tokens": llm.prompt_tokens(prompt.question, prompt.documents),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": 0.7,
+        "n": args.n,
+        "repeats": args.repeats,
+        "median_s_n1": one,
+        f"median_s_n{args.n}": many,
+        "ratio": many / one,
+        "target_ratio": 1.6,
+        "quick": args.quick,
+    }
+    print(
+        f"n={args.n}: {many:.2f} s, n=1: {one:.2f} s (medians of {args.repeats}): {many / one:.2f}x "
+        f"(target <= 1.6x) on a {summary['prompt_tokens']}-token prompt, {args.max_new_tokens}-token answers"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
     return 0

@@ -40,15 +40,32 @@ def _reset_peak() -> bool:
         return False
 
 
-def probe(model: str | None, size: int, budget: int, max_new_tokens: int, threads: int | None = None,
-          prefill_chunk: int | None = 4096, env: dict | None = None) -> dict:
+def probe(
+    model: str | None,
+    size: int,
+    budget: int,
+    max_new_tokens: int,
+    threads: int | None = None,
+    prefill_chunk: int | None = 4096,
+    env: dict | None = None,
+) -> dict:
     """Run :func:`measure` in a fresh process (so that one answer's peak cannot hide another's)
     and return its JSON line; ``env`` adds environment variables."""
     import os
     import subprocess
 
-    command = [sys.executable, str(Path(__file__).resolve()), "--size", str(size), "--budget", str(budget),
-               "--max-new-tokens", str(max_new_tokens), "--prefill-chunk", str(prefill_chunk or 0)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--size",
+        str(size),
+        "--budget",
+        str(budget),
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--prefill-chunk",
+        str(prefill_chunk or 0),
+    ]
     command += (["--model", model] if model else []) + (["--threads", str(threads)] if threads else [])
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if done.returncode:
@@ -56,9 +73,16 @@ def probe(model: str | None, size: int, budget: int, max_new_tokens: int, thread
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str | None, size: int, budget: int, max_new_tokens: int, threads: int | None = None,
-            prefill_chunk: int | None = 4096) -> dict:
+def measure(
+    model: str | None,
+    size: int,
+    budget: int,
+    max_new_tokens: int,
+    threads: int | None = None,
+    prefill_chunk: int | None = 4096,
+) -> dict:
     import torch
+
     from snapkv_rag import SnapKVConfig, SnapKVLLM
 
     if threads:
@@ -78,14 +102,21 @@ def measure(model: str | None, size: int, budget: int, max_new_tokens: int, thre
         peak_delta = None  # the load's own peak was higher: this process cannot tell
     else:
         peak_delta = peak - rss_loaded
-    return {"size": size, "method": f"snapkv@{budget}" if budget else "full",
-            "prefill_chunk": prefill_chunk, "prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
-            "peak_rss_delta_mib": None if peak_delta is None else peak_delta / 1024,
-            "peak_source": "VmHWM after clear_refs" if reset else "ru_maxrss",
-            "kv_bytes_full": result.compression.kv_bytes_full, "kv_bytes_kept": result.compression.kv_bytes_kept,
-            "kept_tokens_max": max(result.compression.kept_tokens),
-            "prefill_s": result.timings.prefill_s, "selection_ms": result.compression.selection_ms,
-            "decode_ms_per_token": result.timings.decode_ms_per_token}
+    return {
+        "size": size,
+        "method": f"snapkv@{budget}" if budget else "full",
+        "prefill_chunk": prefill_chunk,
+        "prompt_tokens": result.usage.prompt_tokens,
+        "completion_tokens": result.usage.completion_tokens,
+        "peak_rss_delta_mib": None if peak_delta is None else peak_delta / 1024,
+        "peak_source": "VmHWM after clear_refs" if reset else "ru_maxrss",
+        "kv_bytes_full": result.compression.kv_bytes_full,
+        "kv_bytes_kept": result.compression.kv_bytes_kept,
+        "kept_tokens_max": max(result.compression.kept_tokens),
+        "prefill_s": result.timings.prefill_s,
+        "selection_ms": result.compression.selection_ms,
+        "decode_ms_per_token": result.timings.decode_ms_per_token,
+    }
 
 
 def main() -> None:
@@ -95,11 +126,18 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=0, help="SnapKV max_capacity_prompt; 0 = full cache")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--prefill-chunk", type=int, default=4096,
-                        help="the engine's prefill_chunk (MLP slice in tokens); 0 = the whole prompt at once")
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=4096,
+        help="the engine's prefill_chunk (MLP slice in tokens); 0 = the whole prompt at once",
+    )
     args = parser.parse_args()
-    print(json.dumps(measure(args.model, args.size, args.budget, args.max_new_tokens, args.threads,
-                             args.prefill_chunk or None)))
+    print(
+        json.dumps(
+            measure(args.model, args.size, args.budget, args.max_new_tokens, args.threads, args.prefill_chunk or None)
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,12 @@ def peer_rows(llm, worker, group, budgets, max_new_tokens: int, eos) -> list[dic
     context = requests[0].input_ids[:at]
     if any(r.input_ids[:at] != context for r in requests):
         raise RuntimeError(f"{group.id}: the questions' prompts do not share their documents' tokens")
-    base = {"context_ids": context, "tails": [r.input_ids[at:] for r in requests], "max_new_tokens": max_new_tokens,
-            "eos_ids": eos}
+    base = {
+        "context_ids": context,
+        "tails": [r.input_ids[at:] for r in requests],
+        "max_new_tokens": max_new_tokens,
+        "eos_ids": eos,
+    }
     runs = [("full", None, 1.0, at)] + [(p, p, b, math.ceil(b * at)) for b in budgets for p in PRESSES]
     out, full = [], None
     for name, press, budget, kept in runs:
@@ -61,9 +65,20 @@ def peer_rows(llm, worker, group, budgets, max_new_tokens: int, eos) -> list[dic
         texts = [llm.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in answer["answers"]]
         full = texts if full is None else full
         for i, text in enumerate(texts):
-            out.append({"group": group.id, "question_index": i, "method": f"kvpress:{name}", "budget": budget,
-                        "text": text, "first_token_s": answer["first_token_s"][i], "build_s": answer["build_s"],
-                        "kept": answer["kept"], "context_tokens": at, **fidelity_scores(text, full[i])})
+            out.append(
+                {
+                    "group": group.id,
+                    "question_index": i,
+                    "method": f"kvpress:{name}",
+                    "budget": budget,
+                    "text": text,
+                    "first_token_s": answer["first_token_s"][i],
+                    "build_s": answer["build_s"],
+                    "kept": answer["kept"],
+                    "context_tokens": at,
+                    **fidelity_scores(text, full[i]),
+                }
+            )
     return out
 
 
@@ -77,13 +92,21 @@ def summary(ours: dict, peers: list[dict], budgets) -> str:
     for r in peers:
         if r["question_index"] > 0 and r["method"] != "kvpress:full":
             cells[(r["budget"], r["method"])][(r["group"], r["question_index"])] = r["identical_to_full"]
-    agree = [r["text"] == ours[(r["group"], r["question_index"], "full", 1.0)]["text"]
-             for r in peers if r["method"] == "kvpress:full"]
-    lines = [f"# Follow-up questions beside kvpress: {len(done)} groups, questions 2+ of each", "",
-             f"The two full caches (ours, kvpress's transformers) give the same answer on {sum(agree)} of {len(agree)} "
-             "questions. Each side against its own full cache. 'vs best ours' is the paired difference from our best reused "
-             "(query-agnostic or question-1) method at that budget, 95% bootstrap.", "",
-             "| budget | method | n | identical to full [95%] | vs best ours [95%] |", "|---|---|---|---|---|"]
+    agree = [
+        r["text"] == ours[(r["group"], r["question_index"], "full", 1.0)]["text"]
+        for r in peers
+        if r["method"] == "kvpress:full"
+    ]
+    lines = [
+        f"# Follow-up questions beside kvpress: {len(done)} groups, questions 2+ of each",
+        "",
+        f"The two full caches (ours, kvpress's transformers) give the same answer on {sum(agree)} of {len(agree)} "
+        "questions. Each side against its own full cache. 'vs best ours' is the paired difference from our best reused "
+        "(query-agnostic or question-1) method at that budget, 95% bootstrap.",
+        "",
+        "| budget | method | n | identical to full [95%] | vs best ours [95%] |",
+        "|---|---|---|---|---|",
+    ]
     for budget in budgets:
         reused = {m: c for (b, m), c in cells.items() if b == budget and m.startswith("ours:") and m != "ours:snapkv"}
         best = max(reused, key=lambda m: sum(reused[m].values()) / len(reused[m])) if reused else None
@@ -97,8 +120,10 @@ def summary(ours: dict, peers: list[dict], budgets) -> str:
                 deltas = [cell[k] - reused[best][k] for k in cell if k in reused[best]]
                 dlo, dhi = bootstrap_ci(deltas)
                 vs = f"{sum(deltas) / len(deltas):+.2f} [{dlo:+.2f}, {dhi:+.2f}] ({best})"
-            lines.append(f"| {budget:.0%} | {method} | {len(values)} | {sum(values) / len(values):.2f} "
-                         f"[{lo:.2f}, {hi:.2f}] | {vs} |")
+            lines.append(
+                f"| {budget:.0%} | {method} | {len(values)} | {sum(values) / len(values):.2f} "
+                f"[{lo:.2f}, {hi:.2f}] | {vs} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -125,9 +150,10 @@ def main() -> None:
     model_dir = str(default_model_dir())
     llm = SnapKVLLM(model_dir, prefix_cache_bytes=0)
     eos_config = llm.model.generation_config.eos_token_id
-    eos = sorted({llm.tokenizer.eos_token_id, *([eos_config] if isinstance(eos_config, int) else eos_config or [])}
-                 - {None})
-    todo = [g for g in groups(args.groups, 3, 5, 0) if g.id in finished and g.id not in done][:args.limit]
+    eos = sorted(
+        {llm.tokenizer.eos_token_id, *([eos_config] if isinstance(eos_config, int) else eos_config or [])} - {None}
+    )
+    todo = [g for g in groups(args.groups, 3, 5, 0) if g.id in finished and g.id not in done][: args.limit]
     worker = KVPressWorker(args.kvpress_python, model_dir, None) if todo else None  # none: the summary only
     try:
         for group in todo:

@@ -55,23 +55,28 @@ def examples(count: int, sets: tuple = SETS) -> list:
     if unknown or not sets:
         raise ValueError(f"--sets: {sorted(unknown) or 'none given'}; the sets are {', '.join(SETS)}")
     nq = nq_examples(GRID_QUESTIONS, [10, 20], ["middle"], 0)
-    every = {"nq10": [e for e in nq if e.num_docs == 10], "nq20": [e for e in nq if e.num_docs == 20],
-             "hotpotqa": multihop_examples("hotpotqa", GRID_QUESTIONS, [10], 0)}
+    every = {
+        "nq10": [e for e in nq if e.num_docs == 10],
+        "nq20": [e for e in nq if e.num_docs == 20],
+        "hotpotqa": multihop_examples("hotpotqa", GRID_QUESTIONS, [10], 0),
+    }
     return [e for turn in zip(*(every[name] for name in SETS if name in sets)) for e in turn][:count]
 
 
 def our_configs(budget: int) -> dict:
     from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, LookaheadSnapKVConfig, SnapKVConfig
 
-    return {"snapkv": SnapKVConfig(max_capacity_prompt=budget),
-            "snapkv_avg": SnapKVConfig(max_capacity_prompt=budget, pooling="avg"),
-            "docsnapkv": DocSnapKVConfig(max_capacity_prompt=budget),
-            "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=budget),
-            "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # the default: 8 drafted, SnapKV's bytes
-            # head-adaptive splits (floor 0.2, ragged heads padded: more bytes), 8, 4 and 1 drafted tokens
-            "lookahead_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=0.2),
-            "lookahead4_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4, floor=0.2),
-            "lookahead1_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=1, floor=0.2)}
+    return {
+        "snapkv": SnapKVConfig(max_capacity_prompt=budget),
+        "snapkv_avg": SnapKVConfig(max_capacity_prompt=budget, pooling="avg"),
+        "docsnapkv": DocSnapKVConfig(max_capacity_prompt=budget),
+        "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=budget),
+        "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # the default: 8 drafted, SnapKV's bytes
+        # head-adaptive splits (floor 0.2, ragged heads padded: more bytes), 8, 4 and 1 drafted tokens
+        "lookahead_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=0.2),
+        "lookahead4_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4, floor=0.2),
+        "lookahead1_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=1, floor=0.2),
+    }
 
 
 def first_line(text: str) -> str:
@@ -83,10 +88,21 @@ def our_side(llm, example, budgets: dict, args, only=None) -> tuple:
     (answers, kept tokens, selection ms, prefill s), keyed ``ours:name@share``."""
     methods = {"full": None}
     for share, budget in budgets.items():
-        methods.update({f"{name}@{share:.0%}": c for name, c in our_configs(budget).items()
-                        if only is None or f"ours:{name}@{share:.0%}" in only})
-    both = llm.compare(example.question, list(example.documents), methods=methods, hit_rate=False,
-                       max_new_tokens=args.max_new_tokens, stop=["\n"])
+        methods.update(
+            {
+                f"{name}@{share:.0%}": c
+                for name, c in our_configs(budget).items()
+                if only is None or f"ours:{name}@{share:.0%}" in only
+            }
+        )
+    both = llm.compare(
+        example.question,
+        list(example.documents),
+        methods=methods,
+        hit_rate=False,
+        max_new_tokens=args.max_new_tokens,
+        stop=["\n"],
+    )
     answers = {f"ours:{name}": first_line(r.text) for name, r in both.results.items()}
     kept = {f"ours:{name}": max(r.compression.kept_tokens) for name, r in both.results.items()}
     selection_ms = {f"ours:{name}": r.compression.selection_ms for name, r in both.results.items()}
@@ -103,10 +119,16 @@ def backfill(llm, row: dict, example, args) -> dict:
         return row
     answers, kept, selection_ms, _ = our_side(llm, example, budgets, args, only=missing)
     if answers["ours:full"] != row["texts"]["ours:full"]:
-        raise RuntimeError(f"{example.id}: our full cache now answers {answers['ours:full']!r}, stored "
-                           f"{row['texts']['ours:full']!r}: the rows are not comparable, run afresh")
-    return {**row, "texts": {**row["texts"], **answers}, "kept": {**row["kept"], **kept},
-            "selection_ms": {**row["selection_ms"], **selection_ms}}
+        raise RuntimeError(
+            f"{example.id}: our full cache now answers {answers['ours:full']!r}, stored "
+            f"{row['texts']['ours:full']!r}: the rows are not comparable, run afresh"
+        )
+    return {
+        **row,
+        "texts": {**row["texts"], **answers},
+        "kept": {**row["kept"], **kept},
+        "selection_ms": {**row["selection_ms"], **selection_ms},
+    }
 
 
 def run_prompt(llm, workers, example, shares, args, eos, newline_ids) -> dict:
@@ -115,22 +137,38 @@ def run_prompt(llm, workers, example, shares, args, eos, newline_ids) -> dict:
     request = llm.request(example.question, list(example.documents), "text")
     ids, length = request.input_ids, len(request.input_ids)
     budgets = {share: round(share * length) for share in shares}
-    base = {"input_ids": ids, "window_size": 32, "kernel_size": 7, "max_new_tokens": args.max_new_tokens,
-            "eos_ids": eos, "stop_ids": newline_ids, "question_start": length + request.spans.question,
-            "delimiter_id": next(i for i in range(len(llm.tokenizer) - 1, 0, -1) if i not in set(ids))}
+    base = {
+        "input_ids": ids,
+        "window_size": 32,
+        "kernel_size": 7,
+        "max_new_tokens": args.max_new_tokens,
+        "eos_ids": eos,
+        "stop_ids": newline_ids,
+        "question_start": length + request.spans.question,
+        "delimiter_id": next(i for i in range(len(llm.tokenizer) - 1, 0, -1) if i not in set(ids)),
+    }
     peer_runs = [("full", None, length)] + [(f"{p}@{s:.0%}", p, b) for s, b in budgets.items() for p in PRESSES]
     requests = [{**base, "press": press, "budget": budget} for _, press, budget in peer_runs]
-    waits = [w.submit(requests[i::len(workers)]) for i, w in enumerate(workers)]  # dealt out in turn
+    waits = [w.submit(requests[i :: len(workers)]) for i, w in enumerate(workers)]  # dealt out in turn
     answers, kept, selection_ms, prefill_s = our_side(llm, example, budgets, args)  # while kvpress runs
     outs = [wait() for wait in waits]
     for i, (name, _, _) in enumerate(peer_runs):
         out = outs[i % len(workers)][i // len(workers)]
         answers[f"kvpress:{name}"] = first_line(llm.tokenizer.decode(out["tokens"], skip_special_tokens=True))
         kept[f"kvpress:{name}"] = out["kept"]
-    return {"example_id": example.id, "dataset": example.dataset, "num_docs": example.num_docs,
-            "question": example.question, "answers": list(example.answers), "prompt_tokens": length,
-            "budgets": {f"{s:.0%}": b for s, b in budgets.items()}, "prefill_s": prefill_s,
-            "texts": answers, "kept": kept, "selection_ms": selection_ms}
+    return {
+        "example_id": example.id,
+        "dataset": example.dataset,
+        "num_docs": example.num_docs,
+        "question": example.question,
+        "answers": list(example.answers),
+        "prompt_tokens": length,
+        "budgets": {f"{s:.0%}": b for s, b in budgets.items()},
+        "prefill_s": prefill_s,
+        "texts": answers,
+        "kept": kept,
+        "selection_ms": selection_ms,
+    }
 
 
 def scored(row: dict) -> dict[str, dict[str, float]]:
@@ -141,9 +179,11 @@ def scored(row: dict) -> dict[str, dict[str, float]]:
         if method == "full":
             continue
         full = row["texts"][f"{side}:full"]
-        out[name] = {**fidelity_scores(text, full), "f1": answer_scores(text, row["answers"])["f1"],
-                     "f1_minus_full": answer_scores(text, row["answers"])["f1"]
-                     - answer_scores(full, row["answers"])["f1"]}
+        out[name] = {
+            **fidelity_scores(text, full),
+            "f1": answer_scores(text, row["answers"])["f1"],
+            "f1_minus_full": answer_scores(text, row["answers"])["f1"] - answer_scores(full, row["answers"])["f1"],
+        }
     return out
 
 
@@ -187,7 +227,12 @@ def report(rows: list[dict], answer_tokens=None) -> dict:
                     record[f"{metric}_vs_snapkv_ci"] = bootstrap_ci(diffs)
             table.append(record)
     agree = [r["texts"]["ours:full"] == r["texts"]["kvpress:full"] for r in rows]
-    return {"prompts": len(rows), "full_caches_agree": sum(agree), "table": table, "vs_best_press": against_best(groups)}
+    return {
+        "prompts": len(rows),
+        "full_caches_agree": sum(agree),
+        "table": table,
+        "vs_best_press": against_best(groups),
+    }
 
 
 def against_best(groups: dict[str, list[dict]]) -> list[dict]:
@@ -199,16 +244,29 @@ def against_best(groups: dict[str, list[dict]]) -> list[dict]:
         every = [scored(r) for r in members]
         names = {n for s in every for n in s}
         for share in sorted({n.split("@")[1] for n in names}):
+
             def mean(name):
                 values = [s[name]["identical_to_full"] for s in every if name in s]
                 return sum(values) / len(values)
-            presses = sorted(n for n in names if n.startswith("kvpress:") and n.endswith(f"@{share}"))  # ties: the first by name
+
+            presses = sorted(
+                n for n in names if n.startswith("kvpress:") and n.endswith(f"@{share}")
+            )  # ties: the first by name
             best = max(presses, key=mean)
             for name in sorted(n for n in names if n.startswith("ours:") and n.endswith(f"@{share}")):
                 both = [s for s in every if name in s and best in s]
                 diffs = [s[name]["identical_to_full"] - s[best]["identical_to_full"] for s in both]
-                out.append({"set": label, "share": share, "method": name, "best_press": best, "n": len(both),
-                            "diff": sum(diffs) / len(diffs), "diff_ci": bootstrap_ci(diffs)})
+                out.append(
+                    {
+                        "set": label,
+                        "share": share,
+                        "method": name,
+                        "best_press": best,
+                        "n": len(both),
+                        "diff": sum(diffs) / len(diffs),
+                        "diff_ci": bootstrap_ci(diffs),
+                    }
+                )
     return out
 
 
@@ -221,27 +279,42 @@ def _cell(record: dict, metric: str, paired: bool = False) -> str:
 
 
 def markdown(summary: dict) -> str:
-    lines = [f"# kvpress presses and our methods, same token ids and budgets: {summary['prompts']} prompts", "",
-             f"The two full caches (ours, kvpress's transformers) give the same answer on "
-             f"{summary['full_caches_agree']} of {summary['prompts']} prompts; each method is scored against its "
-             f"own side's full cache. Intervals: 95% bootstrap; 'vs SnapKV' is the paired difference from our "
-             f"SnapKV at the same share on the same prompts.", ""]
+    lines = [
+        f"# kvpress presses and our methods, same token ids and budgets: {summary['prompts']} prompts",
+        "",
+        f"The two full caches (ours, kvpress's transformers) give the same answer on "
+        f"{summary['full_caches_agree']} of {summary['prompts']} prompts; each method is scored against its "
+        f"own side's full cache. Intervals: 95% bootstrap; 'vs SnapKV' is the paired difference from our "
+        f"SnapKV at the same share on the same prompts.",
+        "",
+    ]
     for label in dict.fromkeys(r["set"] for r in summary["table"]):
         records = [r for r in summary["table"] if r["set"] == label]
-        lines += [f"## {label} ({max(r['n'] for r in records)} prompts; n: those a method ran on)", "",
-                  "| share | method | n | identical to full | vs SnapKV | F1 vs full | vs SnapKV | answer F1 - full |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {label} ({max(r['n'] for r in records)} prompts; n: those a method ran on)",
+            "",
+            "| share | method | n | identical to full | vs SnapKV | F1 vs full | vs SnapKV | answer F1 - full |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in records:
-            lines.append(f"| {r['share']} | {r['method']} | {r['n']} | {_cell(r, 'identical_to_full')} | "
-                         f"{_cell(r, 'identical_to_full', True)} | {_cell(r, 'f1_vs_full')} | "
-                         f"{_cell(r, 'f1_vs_full', True)} | {_cell(r, 'f1_minus_full')} |")
+            lines.append(
+                f"| {r['share']} | {r['method']} | {r['n']} | {_cell(r, 'identical_to_full')} | "
+                f"{_cell(r, 'identical_to_full', True)} | {_cell(r, 'f1_vs_full')} | "
+                f"{_cell(r, 'f1_vs_full', True)} | {_cell(r, 'f1_minus_full')} |"
+            )
         lines.append("")
-    lines += ["## Ours against kvpress's best press (identical to full, paired on the prompts both ran)", "",
-              "| set | share | method | best press | n | difference |", "|---|---|---|---|---|---|"]
+    lines += [
+        "## Ours against kvpress's best press (identical to full, paired on the prompts both ran)",
+        "",
+        "| set | share | method | best press | n | difference |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in summary.get("vs_best_press", []):
         low, high = r["diff_ci"]
-        lines.append(f"| {r['set']} | {r['share']} | {r['method']} | {r['best_press']} | {r['n']} | "
-                     f"{r['diff']:+.3f} [{low:+.2f}, {high:+.2f}] |")
+        lines.append(
+            f"| {r['set']} | {r['share']} | {r['method']} | {r['best_press']} | {r['n']} | "
+            f"{r['diff']:+.3f} [{low:+.2f}, {high:+.2f}] |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -257,8 +330,14 @@ def write_report(out: Path, tokenizer=None) -> dict:
     return summary
 
 
-PLOTTED = ("ours:snapkv", "ours:docsnapkv", "ours:adasnapkv", "ours:lookahead", "ours:lookahead_ada",
-           *(f"kvpress:{p}" for p in PRESSES))
+PLOTTED = (
+    "ours:snapkv",
+    "ours:docsnapkv",
+    "ours:adasnapkv",
+    "ours:lookahead",
+    "ours:lookahead_ada",
+    *(f"kvpress:{p}" for p in PRESSES),
+)
 
 
 def plot(summary: dict, path: Path) -> bool:
@@ -268,30 +347,62 @@ def plot(summary: dict, path: Path) -> bool:
 
     sets = ("nq (N=10 and 20)", "hotpotqa")
     prompts = {label: max((r["n"] for r in summary["table"] if r["set"] == label), default=0) for label in sets}
-    records = [{**r, "panel": f"{r['set']}, {prompts[r['set']]} prompts", "identical_to_full_lo": r["identical_to_full_ci"][0],
-                "identical_to_full_hi": r["identical_to_full_ci"][1]} for r in summary["table"]
-               if r["set"] in sets and r["method"].split("@")[0] in PLOTTED]
-    return against_budget(records, "identical_to_full", METRIC_LABELS["identical_to_full"], path,
-                          dashed=lambda method: method.startswith("kvpress:"))
+    records = [
+        {
+            **r,
+            "panel": f"{r['set']}, {prompts[r['set']]} prompts",
+            "identical_to_full_lo": r["identical_to_full_ci"][0],
+            "identical_to_full_hi": r["identical_to_full_ci"][1],
+        }
+        for r in summary["table"]
+        if r["set"] in sets and r["method"].split("@")[0] in PLOTTED
+    ]
+    return against_budget(
+        records,
+        "identical_to_full",
+        METRIC_LABELS["identical_to_full"],
+        path,
+        dashed=lambda method: method.startswith("kvpress:"),
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kvpress-python", default=str(HERE / ".venv-kvpress" / "bin" / "python"))
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model's cached folder)")
-    parser.add_argument("--prompts", type=int, default=300, help="prompts in all, the sets in turn (default and "
-                        "most: 300)")
-    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS,
-                        help="which sets to run, in turn (default: all three); rows already written are kept")
+    parser.add_argument(
+        "--prompts", type=int, default=300, help="prompts in all, the sets in turn (default and most: 300)"
+    )
+    parser.add_argument(
+        "--sets",
+        nargs="+",
+        default=list(SETS),
+        choices=SETS,
+        help="which sets to run, in turn (default: all three); rows already written are kept",
+    )
     parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.25], help="shares kept (0.5 0.25)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, both halves (they run side by side: 1 on a 2-core machine)")
-    parser.add_argument("--kvpress-workers", type=int, default=1, help="kvpress processes sharing each prompt's "
-                        "presses (each loads the model; the presses are most of the work: 2 with --threads 1 on 2 cores)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads, both halves (they run side by side: 1 on a 2-core machine)",
+    )
+    parser.add_argument(
+        "--kvpress-workers",
+        type=int,
+        default=1,
+        help="kvpress processes sharing each prompt's "
+        "presses (each loads the model; the presses are most of the work: 2 with --threads 1 on 2 cores)",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "peer_presses")
     parser.add_argument("--report-only", action="store_true", help="write the summary from the rows so far")
-    parser.add_argument("--backfill", action="store_true", help="run only our methods that the rows so far lack "
-                        "(added since), rewriting each row as it finishes; then the report")
+    parser.add_argument(
+        "--backfill",
+        action="store_true",
+        help="run only our methods that the rows so far lack "
+        "(added since), rewriting each row as it finishes; then the report",
+    )
     args = parser.parse_args()
     if args.kvpress_workers < 1:
         parser.error(f"--kvpress-workers: at least 1, got {args.kvpress_workers}")
@@ -305,14 +416,18 @@ def main() -> None:
         return
 
     import torch
+
     from snapkv_rag import SnapKVLLM
     from snapkv_rag.models.loading import default_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
     rows_path = args.out / "rows.jsonl"
-    done = {json.loads(line)["example_id"] for line in rows_path.read_text().splitlines() if line.strip()} \
-        if rows_path.exists() else set()
+    done = (
+        {json.loads(line)["example_id"] for line in rows_path.read_text().splitlines() if line.strip()}
+        if rows_path.exists()
+        else set()
+    )
     model_dir = args.model or str(default_model_dir())
     llm = SnapKVLLM(model_dir)
     if args.backfill:
@@ -327,8 +442,9 @@ def main() -> None:
         print(markdown(write_report(args.out, llm.tokenizer)))
         return
     eos_config = llm.model.generation_config.eos_token_id
-    eos = sorted({llm.tokenizer.eos_token_id, *([eos_config] if isinstance(eos_config, int) else eos_config or [])}
-                 - {None})
+    eos = sorted(
+        {llm.tokenizer.eos_token_id, *([eos_config] if isinstance(eos_config, int) else eos_config or [])} - {None}
+    )
     newline_ids = [i for i in range(len(llm.tokenizer)) if "\n" in llm.tokenizer.decode([i])]
     workers = [KVPressWorker(args.kvpress_python, model_dir, args.threads) for _ in range(args.kvpress_workers)]
     try:

@@ -27,13 +27,18 @@ MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| prompt tokens | method | peak MiB, whole prompt per MLP | peak MiB, MLP in slices | "
-             "sliced / whole | KV MiB kept |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| prompt tokens | method | peak MiB, whole prompt per MLP | peak MiB, MLP in slices | "
+        "sliced / whole | KV MiB kept |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
         whole, sliced = row["whole"]["peak_rss_delta_mib"], row["sliced"]["peak_rss_delta_mib"]
         ratio = f"{sliced / whole:.2f}" if whole and sliced else "n/a"
-        lines.append(f"| {row['sliced']['prompt_tokens']} | {row['method']} | {whole:.0f} | {sliced:.0f} | {ratio} | "
-                     f"{row['sliced']['kv_bytes_kept'] / 2**20:.0f} |")
+        lines.append(
+            f"| {row['sliced']['prompt_tokens']} | {row['method']} | {whole:.0f} | {sliced:.0f} | {ratio} | "
+            f"{row['sliced']['kv_bytes_kept'] / 2**20:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -52,15 +57,28 @@ def main() -> None:
         for budget in (0, args.budget):
             row = {"size": size, "method": f"snapkv@{budget}" if budget else "full"}
             for label, chunk in (("whole", 0), ("sliced", args.chunk)):
-                row[label] = peak_memory.probe(args.model, size, budget, args.max_new_tokens, args.threads,
-                                               chunk or None, env=MALLOC)
-            print(f"{size} {row['method']}: whole {row['whole']['peak_rss_delta_mib']:.0f} MiB, "
-                  f"sliced {row['sliced']['peak_rss_delta_mib']:.0f} MiB", flush=True)
+                row[label] = peak_memory.probe(
+                    args.model, size, budget, args.max_new_tokens, args.threads, chunk or None, env=MALLOC
+                )
+            print(
+                f"{size} {row['method']}: whole {row['whole']['peak_rss_delta_mib']:.0f} MiB, "
+                f"sliced {row['sliced']['peak_rss_delta_mib']:.0f} MiB",
+                flush=True,
+            )
             rows.append(row)
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["python", "benchmarks/prefill_memory.py", *sys.argv[1:]]),
-                                    "chunk": args.chunk, "rows": rows}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": " ".join(["python", "benchmarks/prefill_memory.py", *sys.argv[1:]]),
+                "chunk": args.chunk,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
 
 

@@ -83,26 +83,49 @@ def main(argv: list[str] | None = None) -> int:
     cached = SnapKVLLM(model=loaded.model, tokenizer=loaded.tokenizer)
     documents, asked = document_set(loaded.tokenizer, 5, args.questions, args.tokens)
     for llm in (plain, cached):  # warm up, over other documents (nothing of the set is cached)
-        llm.generate("Who wrote it?", [{"title": "Warm-up", "text": "A short text written for the warm-up."}],
-                     max_new_tokens=2)
+        llm.generate(
+            "Who wrote it?", [{"title": "Warm-up", "text": "A short text written for the warm-up."}], max_new_tokens=2
+        )
     rows = []
     for i, record in enumerate(asked, start=1):
         ttft_plain, a = first_token(plain, record["question"], documents, args.max_new_tokens)
         ttft_cached, b = first_token(cached, record["question"], documents, args.max_new_tokens)
-        rows.append({"question": record["question"], "prompt_tokens": a.usage.prompt_tokens,
-                     "cached_tokens": b.usage.cached_tokens, "ttft_s_without": ttft_plain, "ttft_s_with": ttft_cached,
-                     "prefill_s_without": a.timings.prefill_s, "prefill_s_with": b.timings.prefill_s,
-                     "ratio": ttft_plain / ttft_cached, "same_answer": a.text == b.text,
-                     "answer_without": a.text, "answer_with": b.text})
+        rows.append(
+            {
+                "question": record["question"],
+                "prompt_tokens": a.usage.prompt_tokens,
+                "cached_tokens": b.usage.cached_tokens,
+                "ttft_s_without": ttft_plain,
+                "ttft_s_with": ttft_cached,
+                "prefill_s_without": a.timings.prefill_s,
+                "prefill_s_with": b.timings.prefill_s,
+                "ratio": ttft_plain / ttft_cached,
+                "same_answer": a.text == b.text,
+                "answer_without": a.text,
+                "answer_with": b.text,
+            }
+        )
         r = rows[-1]
-        print(f"Q{i} {r['prompt_tokens']} tokens ({r['cached_tokens']} cached): first token {ttft_plain:.3f} s "
-              f"without, {ttft_cached:.3f} s with ({r['ratio']:.2f}x); same answer: {r['same_answer']}", flush=True)
-    summary = {"questions": len(rows), "documents": len(documents), "prompt_tokens": rows[0]["prompt_tokens"],
-               "max_new_tokens": args.max_new_tokens, "model": Path(cached.model_name).name, **later_figures(rows),
-               "prefix_cache": vars(cached.prefix_stats()), "quick": args.quick}
-    print(f"questions 2-{len(rows)}: first token {summary['ratio_later_median']:.2f}x sooner with the prefix cache "
-          f"(median; least {summary['ratio_later_min']:.2f}x); differing answers: {summary['differing_answers']} "
-          f"of {len(rows)}")
+        print(
+            f"Q{i} {r['prompt_tokens']} tokens ({r['cached_tokens']} cached): first token {ttft_plain:.3f} s "
+            f"without, {ttft_cached:.3f} s with ({r['ratio']:.2f}x); same answer: {r['same_answer']}",
+            flush=True,
+        )
+    summary = {
+        "questions": len(rows),
+        "documents": len(documents),
+        "prompt_tokens": rows[0]["prompt_tokens"],
+        "max_new_tokens": args.max_new_tokens,
+        "model": Path(cached.model_name).name,
+        **later_figures(rows),
+        "prefix_cache": vars(cached.prefix_stats()),
+        "quick": args.quick,
+    }
+    print(
+        f"questions 2-{len(rows)}: first token {summary['ratio_later_median']:.2f}x sooner with the prefix cache "
+        f"(median; least {summary['ratio_later_min']:.2f}x); differing answers: {summary['differing_answers']} "
+        f"of {len(rows)}"
+    )
     write(args.out, summary, rows)
     return 0
 
@@ -110,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
 def later_figures(rows: list[dict]) -> dict:
     """Questions 2 and later: the median and least time-to-first-token ratio; answers that differ."""
     later = [r["ratio"] for r in rows[1:]]
-    return {"ratio_later_median": statistics.median(later) if later else None,
-            "ratio_later_min": min(later) if later else None,
-            "differing_answers": sum(not r["same_answer"] for r in rows)}
+    return {
+        "ratio_later_median": statistics.median(later) if later else None,
+        "ratio_later_min": min(later) if later else None,
+        "differing_answers": sum(not r["same_answer"] for r in rows),
+    }
 
 
 def write(out: Path, summary: dict, rows: list[dict]) -> None:

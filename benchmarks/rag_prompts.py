@@ -66,6 +66,10 @@ def build_prompt(tokenizer, target_tokens: int, index: int = 0) -> Prompt:
     else:
         raise ValueError(f"not enough passages in {DATA.name} for a {target_tokens}-token prompt")
     middle = len(documents) // 2
-    documents = documents[1:middle + 1] + documents[:1] + documents[middle + 1:]
-    return Prompt(question=gold["question"], answers=list(gold["answers"]), documents=documents,
-                  tokens=prompt_tokens(tokenizer, gold["question"], documents))
+    documents = documents[1 : middle + 1] + documents[:1] + documents[middle + 1 :]
+    return Prompt(
+        question=gold["question"],
+        answers=list(gold["answers"]),
+        documents=documents,
+        tokens=prompt_tokens(tokenizer, gold["question"], documents),
+    )

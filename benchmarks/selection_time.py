@@ -40,25 +40,32 @@ def main() -> None:
     query = torch.randn(1, 9, args.tokens, 64, generator=g)
     keys, values = (torch.randn(1, 3, args.tokens, 64, generator=g) for _ in range(2))
     spans = spans_for(args.tokens, args.documents)
-    print("| prompt tokens | documents | budget | SnapKV ms | document-aware ms | ratio | head-adaptive ms | ratio |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print(
+        "| prompt tokens | documents | budget | SnapKV ms | document-aware ms | ratio | head-adaptive ms | ratio |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     for share in args.shares:
         budget = round(share * args.tokens)
         ada = AdaSnapKVConfig(max_capacity_prompt=budget)
-        methods = {"plain": lambda c=SnapKVConfig(max_capacity_prompt=budget): c.select(query, keys, values, None, 0, 30),
-                   "doc": lambda c=DocSnapKVConfig(max_capacity_prompt=budget, spans=spans): c.select(query, keys, values,
-                                                                                                   None, 0, 30),
-                   "ada": lambda: ada_snapkv_select(query[..., -ada.window_size:, :], keys, values, ada)}
+        methods = {
+            "plain": lambda c=SnapKVConfig(max_capacity_prompt=budget): c.select(query, keys, values, None, 0, 30),
+            "doc": lambda c=DocSnapKVConfig(max_capacity_prompt=budget, spans=spans): c.select(
+                query, keys, values, None, 0, 30
+            ),
+            "ada": lambda: ada_snapkv_select(query[..., -ada.window_size :, :], keys, values, ada),
+        }
         times = {name: [] for name in methods}
         for round_ in range(args.rounds + 1):
-            for name in (list(methods) if round_ % 2 else list(reversed(methods))):
+            for name in list(methods) if round_ % 2 else list(reversed(methods)):
                 start = time.perf_counter()
                 methods[name]()
                 if round_:  # the first round warms up
                     times[name].append(1000 * (time.perf_counter() - start))
         plain, doc, adaptive = (statistics.median(times[n]) for n in ("plain", "doc", "ada"))
-        print(f"| {args.tokens} | {args.documents} | {budget} | {plain:.2f} | {doc:.2f} | {doc / plain:.2f} | "
-              f"{adaptive:.2f} | {adaptive / plain:.2f} |")
+        print(
+            f"| {args.tokens} | {args.documents} | {budget} | {plain:.2f} | {doc:.2f} | {doc / plain:.2f} | "
+            f"{adaptive:.2f} | {adaptive / plain:.2f} |"
+        )
 
 
 if __name__ == "__main__":

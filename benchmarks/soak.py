@@ -28,7 +28,6 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import httpx  # noqa: E402
-
 import load_client as lc  # noqa: E402
 import load_workload as wl  # noqa: E402
 
@@ -62,8 +61,9 @@ def references(model_dir: Path, requests: list[wl.RagRequest], new_tokens: int) 
 
     llm = SnapKVLLM(str(model_dir))
     try:
-        return [llm.generate(r.question, list(r.documents), max_new_tokens=new_tokens).text for r in requests], \
-            llm.context_window
+        return [
+            llm.generate(r.question, list(r.documents), max_new_tokens=new_tokens).text for r in requests
+        ], llm.context_window
     finally:
         llm.close()
 
@@ -80,8 +80,13 @@ class Soak:
 
     def body(self, i: int) -> dict:
         request = self.requests[i]
-        return {"model": self.server.model, "messages": [{"role": "user", "content": request.question}],
-                "documents": list(request.documents), "max_tokens": self.args.new_tokens, "temperature": 0}
+        return {
+            "model": self.server.model,
+            "messages": [{"role": "user", "content": request.question}],
+            "documents": list(request.documents),
+            "max_tokens": self.args.new_tokens,
+            "temperature": 0,
+        }
 
     def check(self, kind: str, i: int, status, text: str | None) -> None:
         self.statuses[kind][str(status)] += 1
@@ -102,8 +107,12 @@ class Soak:
                 text = response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else None
                 self.check(kind, i, response.status_code, text)
             elif kind == "bad_json":
-                response = await client.post(self.url, content=b'{"model": "x", "messages": [', timeout=60,
-                                             headers={"content-type": "application/json"})
+                response = await client.post(
+                    self.url,
+                    content=b'{"model": "x", "messages": [',
+                    timeout=60,
+                    headers={"content-type": "application/json"},
+                )
                 self.check(kind, i, response.status_code, None)
             else:
                 body = {**self.body(i), "documents": self.too_long}
@@ -120,8 +129,9 @@ class Soak:
     async def burst(self, client: httpx.AsyncClient) -> None:
         """More requests at once than the batch and the queue hold: the surplus gets 429."""
         count = self.args.max_batch + self.args.max_queue + 4
-        outs = await asyncio.gather(*(lc.stream_chat(client, self.url, self.body(k % len(self.requests)), 600)
-                                      for k in range(count)))
+        outs = await asyncio.gather(
+            *(lc.stream_chat(client, self.url, self.body(k % len(self.requests)), 600) for k in range(count))
+        )
         for k, out in enumerate(outs):
             self.check("burst", k % len(self.requests), out.status, out.text if out.ok else None)
 
@@ -131,6 +141,7 @@ class Soak:
         end = time.monotonic() + self.args.seconds
         limits = httpx.Limits(max_connections=self.args.clients + self.args.max_batch + self.args.max_queue + 16)
         async with httpx.AsyncClient(limits=limits) as client:
+
             async def mixer(seed: int, first: int) -> None:
                 local, sent = random.Random(seed), 0
                 while time.monotonic() < end:
@@ -153,13 +164,30 @@ def summarise(soak: Soak, rss: dict, health: int, final_ok: bool, wall: float) -
     five = {kind: sum(n for s, n in c.items() if s.startswith("5")) for kind, c in statuses.items()}
     bad_input_5xx = five["bad_json"] + five["too_long"]
     answered = sum(c.get("200", 0) for k, c in statuses.items() if k in ("normal", "normal_plain", "burst"))
-    return {"wall_s": round(wall, 1), "statuses": statuses, "answers_checked": answered, "wrong_answers": len(soak.wrong),
-            "wrong": soak.wrong[:10], "client_errors": dict(soak.errors), "five_xx": five,
-            "bad_input_5xx": bad_input_5xx, "bad_json_400": statuses["bad_json"].get("400", 0),
-            "too_long_400": statuses["too_long"].get("400", 0), "queue_full_429": statuses["burst"].get("429", 0),
-            "rss_mib": rss, "health_at_end": health, "answer_after_soak_correct": final_ok,
-            "passed": bool(answered and not soak.wrong and not any(five.values()) and health == 200 and final_ok
-                           and statuses["burst"].get("429", 0) > 0)}
+    return {
+        "wall_s": round(wall, 1),
+        "statuses": statuses,
+        "answers_checked": answered,
+        "wrong_answers": len(soak.wrong),
+        "wrong": soak.wrong[:10],
+        "client_errors": dict(soak.errors),
+        "five_xx": five,
+        "bad_input_5xx": bad_input_5xx,
+        "bad_json_400": statuses["bad_json"].get("400", 0),
+        "too_long_400": statuses["too_long"].get("400", 0),
+        "queue_full_429": statuses["burst"].get("429", 0),
+        "rss_mib": rss,
+        "health_at_end": health,
+        "answer_after_soak_correct": final_ok,
+        "passed": bool(
+            answered
+            and not soak.wrong
+            and not any(five.values())
+            and health == 200
+            and final_ok
+            and statuses["burst"].get("429", 0) > 0
+        ),
+    }
 
 
 def main(argv=None) -> dict:
@@ -181,8 +209,10 @@ def main(argv=None) -> dict:
         answers, context_window = references(model_dir, requests, args.new_tokens)
         port = lc.free_port()
         command = lc.ours_command(str(model_dir), port, args.max_batch, ["--max-queue", str(args.max_queue)])
-        with lc.running_server("soak", command, port, log_dir=scratch / "logs") as server, \
-                lc.PeakRSS(server.process.pid) as peak:
+        with (
+            lc.running_server("soak", command, port, log_dir=scratch / "logs") as server,
+            lc.PeakRSS(server.process.pid) as peak,
+        ):
             soak = Soak(server, requests, answers, context_window, args)
             asyncio.run(soak.warm_up())
             start_rss = lc.tree_rss(server.process.pid)
@@ -195,8 +225,12 @@ def main(argv=None) -> dict:
             health = httpx.get(server.base_url + "/health", timeout=30).status_code
             final = httpx.post(server.base_url + "/v1/chat/completions", json=soak.body(0), timeout=600)
             final_ok = final.status_code == 200 and final.json()["choices"][0]["message"]["content"] == answers[0]
-            rss = {"after_warmup": round(start_rss / 2**20, 1), "end": round(end_rss / 2**20, 1),
-                   "peak": round(peak.peak / 2**20, 1), "growth": round((end_rss - start_rss) / 2**20, 1)}
+            rss = {
+                "after_warmup": round(start_rss / 2**20, 1),
+                "end": round(end_rss / 2**20, 1),
+                "peak": round(peak.peak / 2**20, 1),
+                "growth": round((end_rss - start_rss) / 2**20, 1),
+            }
             result = summarise(soak, rss, health, final_ok, wall)
         result["exit_code_after_sigterm"], result["pid"] = server.process.returncode, server.process.pid
         result["server_log_tail"] = server.log_tail(1500)

@@ -93,9 +93,19 @@ def build_model(vocab_size: int, layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         pad_token_id=2, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        pad_token_id=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -105,8 +115,14 @@ def prompts(tokenizer, tokens: int, count: int) -> list:
 
 def run_batch(llm, chosen: list, tokens: int) -> list:
     """``len(chosen)`` concurrent requests of exactly ``tokens`` new tokens each, full cache."""
-    return llm.generate_batch([p.question for p in chosen], [p.documents for p in chosen], batch_size=len(chosen),
-                              max_new_tokens=tokens, ignore_eos=True, snapkv=False)
+    return llm.generate_batch(
+        [p.question for p in chosen],
+        [p.documents for p in chosen],
+        batch_size=len(chosen),
+        max_new_tokens=tokens,
+        ignore_eos=True,
+        snapkv=False,
+    )
 
 
 def engine_ops_per_step(llm, counter: WorkerOps, chosen: list, base: int, extra: int) -> float:
@@ -164,34 +180,50 @@ def measure(args, shape: dict) -> dict:
         run_batch(eager, chosen[:1], 2)
     for batch in shape["batches"]:
         shortest = min(len(i) for i in ids[:batch])
-        reference = transformers_step(theirs, torch.tensor([i[:shortest] for i in ids[:batch]]),
-                                      shape["base_tokens"] + shape["extra_tokens"])
+        reference = transformers_step(
+            theirs, torch.tensor([i[:shortest] for i in ids[:batch]]), shape["base_tokens"] + shape["extra_tokens"]
+        )
         ops = engine_ops_per_step(eager, counter, chosen[:batch], shape["base_tokens"], shape["extra_tokens"])
-        rows.append({"batch": batch, "prompt_tokens": [len(i) for i in ids[:batch]],
-                     "transformers_ops_per_forward": reference["ops_per_forward"], "engine_ops_per_step": ops,
-                     "ops_ratio": ops / reference["ops_per_forward"],
-                     "transformers_eager_ms_per_step": reference["ms_per_step"]})
-        print(f"batch {batch}: aten operators per decode step: engine {ops:.0f}, transformers' forward "
-              f"{reference['ops_per_forward']}, ratio {rows[-1]['ops_ratio']:.2f}", flush=True)
+        rows.append(
+            {
+                "batch": batch,
+                "prompt_tokens": [len(i) for i in ids[:batch]],
+                "transformers_ops_per_forward": reference["ops_per_forward"],
+                "engine_ops_per_step": ops,
+                "ops_ratio": ops / reference["ops_per_forward"],
+                "transformers_eager_ms_per_step": reference["ms_per_step"],
+            }
+        )
+        print(
+            f"batch {batch}: aten operators per decode step: engine {ops:.0f}, transformers' forward "
+            f"{reference['ops_per_forward']}, ratio {rows[-1]['ops_ratio']:.2f}",
+            flush=True,
+        )
     eager.close()  # its worker thread, which still holds a counting mode, ends here
     engines = {"eager": SnapKVLLM(model=ours, tokenizer=tokenizer, compile=False, max_batch=max(shape["batches"]))}
     if not args.no_compile:
-        engines["compiled"] = SnapKVLLM(model=ours, tokenizer=tokenizer, compile=True,
-                                        max_batch=max(shape["batches"]))
+        engines["compiled"] = SnapKVLLM(model=ours, tokenizer=tokenizer, compile=True, max_batch=max(shape["batches"]))
     tokens = shape["base_tokens"] + shape["extra_tokens"]
     for row in rows:
-        chosen_rows = chosen[:row["batch"]]
+        chosen_rows = chosen[: row["batch"]]
         for mode, llm in engines.items():
             ms = engine_ms_per_step(llm, chosen_rows, tokens)
             row[f"engine_{mode}_ms_per_step"] = ms
             row[f"engine_{mode}_vs_transformers_eager"] = ms / row["transformers_eager_ms_per_step"]
-            print(f"batch {row['batch']}: {mode} step {ms:.2f} ms, transformers' eager step "
-                  f"{row['transformers_eager_ms_per_step']:.2f} ms, ratio "
-                  f"{row[f'engine_{mode}_vs_transformers_eager']:.2f}", flush=True)
+            print(
+                f"batch {row['batch']}: {mode} step {ms:.2f} ms, transformers' eager step "
+                f"{row['transformers_eager_ms_per_step']:.2f} ms, ratio "
+                f"{row[f'engine_{mode}_vs_transformers_eager']:.2f}",
+                flush=True,
+            )
     for llm in engines.values():
         llm.close()
-    return {"rows": rows, "model": {"layers": shape["layers"], "hidden_size": 64, "vocab_size": len(tokenizer)},
-            "new_tokens": tokens, "targets": targets(rows)}
+    return {
+        "rows": rows,
+        "model": {"layers": shape["layers"], "hidden_size": 64, "vocab_size": len(tokenizer)},
+        "new_tokens": tokens,
+        "targets": targets(rows),
+    }
 
 
 def targets(rows: list[dict]) -> dict:
@@ -200,8 +232,12 @@ def targets(rows: list[dict]) -> dict:
     for row in rows:
         out[f"batch_{row['batch']}"] = {
             "ops_within_5_percent_of_transformers": row["ops_ratio"] <= 1.05,
-            **({"compiled_at_most_half_of_transformers_eager": row["engine_compiled_vs_transformers_eager"] <= 0.5}
-               if "engine_compiled_vs_transformers_eager" in row else {})}
+            **(
+                {"compiled_at_most_half_of_transformers_eager": row["engine_compiled_vs_transformers_eager"] <= 0.5}
+                if "engine_compiled_vs_transformers_eager" in row
+                else {}
+            ),
+        }
     return out
 
 
@@ -218,17 +254,27 @@ def main() -> None:
 
     started = time.perf_counter()
     report = measure(args, QUICK if args.quick else FULL)
-    print("| batch | aten ops / step: engine | transformers | ratio | transformers eager ms | engine eager ms | "
-          "engine compiled ms | compiled / transformers |")
+    print(
+        "| batch | aten ops / step: engine | transformers | ratio | transformers eager ms | engine eager ms | "
+        "engine compiled ms | compiled / transformers |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
         compiled = r.get("engine_compiled_ms_per_step")
-        print(f"| {r['batch']} | {r['engine_ops_per_step']:.0f} | {r['transformers_ops_per_forward']} | "
-              f"{r['ops_ratio']:.2f} | {r['transformers_eager_ms_per_step']:.2f} | {r['engine_eager_ms_per_step']:.2f} | "
-              + (f"{compiled:.2f} | {r['engine_compiled_vs_transformers_eager']:.2f} |" if compiled else "- | - |"))
-    report.update({"command": " ".join(["python", "benchmarks/step_overhead.py", *sys.argv[1:]]),
-                   "torch": torch.__version__, "transformers": transformers.__version__,
-                   "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - started})
+        print(
+            f"| {r['batch']} | {r['engine_ops_per_step']:.0f} | {r['transformers_ops_per_forward']} | "
+            f"{r['ops_ratio']:.2f} | {r['transformers_eager_ms_per_step']:.2f} | {r['engine_eager_ms_per_step']:.2f} | "
+            + (f"{compiled:.2f} | {r['engine_compiled_vs_transformers_eager']:.2f} |" if compiled else "- | - |")
+        )
+    report.update(
+        {
+            "command": " ".join(["python", "benchmarks/step_overhead.py", *sys.argv[1:]]),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(),
+            "wall_s": time.perf_counter() - started,
+        }
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -28,11 +28,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rag_prompts import build_prompt  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {
-    "answer": {"type": "string"}, "country": {"enum": ["France", "Japan", "England", "other"]},
-    "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
-    "facts": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 4}},
-    "required": ["answer", "country", "year", "facts"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string"},
+        "country": {"enum": ["France", "Japan", "England", "other"]},
+        "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
+        "facts": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 4},
+    },
+    "required": ["answer", "country", "year", "facts"],
+    "additionalProperties": False,
+}
 
 
 def run_decode(llm, request, tokens: int, constraint=None) -> float:
@@ -88,8 +94,12 @@ def main(argv=None) -> int:
         none_us.append(1e6 * (time.perf_counter() - begin))
     figures = {name: round(median(v), 2) for name, v in times.items() if v}
     result = {
-        "prompt_tokens": len(ids), "decode_tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
-        "ms_per_token": figures, "mask_ms_per_token": round(median(mask_ms), 3),
+        "prompt_tokens": len(ids),
+        "decode_tokens": args.tokens,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "ms_per_token": figures,
+        "mask_ms_per_token": round(median(mask_ms), 3),
         "mask_share_of_step": round(median(mask_ms) / figures["plain"], 4),
         "ratio_plain_over_schema": round(figures["plain"] / figures["schema"], 3),
         "apply_masks_all_none_us": round(median(none_us), 2),

@@ -23,10 +23,10 @@ import gzip
 import json
 import random
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from .metrics import normalize_answer
 
@@ -34,8 +34,10 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 DATASETS = ("nq", "musique", "hotpotqa", "kv")
 POSITIONS = ("first", "middle", "last", "every")
 MULTIHOP = ("musique", "hotpotqa")
-_STOPWORDS = frozenset("a an the of in on at to for is was were be by and or what who when where which how "
-                       "did does do with from as that this it its".split())
+_STOPWORDS = frozenset(
+    "a an the of in on at to for is was were be by and or what who when where which how "
+    "did does do with from as that this it its".split()
+)
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,13 @@ def _open(name: str):
     return gzip.open(path, "rt", encoding="utf-8")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load_json(name: str):
     with _open(name) as f:
         return json.load(f)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load_jsonl(name: str) -> tuple[dict, ...]:
     with _open(name) as f:
         return tuple(json.loads(line) for line in f if line.strip())
@@ -113,7 +115,7 @@ class Pool:
         return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def nq_pool() -> Pool:
     nq = [r["ctxs"][0] for r in _load_jsonl("nq-open-oracle.jsonl.gz")]
     musique = _load_json("musique_train_corpus.json.gz")
@@ -122,7 +124,7 @@ def nq_pool() -> Pool:
     return Pool([*nq, *musique, *hotpot, *wiki2])
 
 
-@lru_cache(maxsize=None)
+@cache
 def multihop_pool(dataset: str) -> Pool:
     if dataset == "musique":
         return Pool(_load_json("musique_train_corpus.json.gz"))
@@ -167,15 +169,31 @@ def nq_examples(num_questions: int, num_docs: Sequence[int], positions: Sequence
                 for label, slot in gold_indices(position, n):
                     docs = list(distractors[: n - 1])
                     docs.insert(slot, gold_doc)
-                    out.append(Example(f"nq-{q}-n{n}-{label}", "nq", str(q), r["question"], tuple(r["answers"]),
-                                       tuple(docs), (slot + 1,), n, label))
+                    out.append(
+                        Example(
+                            f"nq-{q}-n{n}-{label}",
+                            "nq",
+                            str(q),
+                            r["question"],
+                            tuple(r["answers"]),
+                            tuple(docs),
+                            (slot + 1,),
+                            n,
+                            label,
+                        )
+                    )
     return out
 
 
 def _multihop_record(dataset: str, r: dict) -> tuple[str, list[str], list[dict], list[bool]]:
     if dataset == "musique":
         docs = [{"title": p["title"], "text": p["paragraph_text"].strip()} for p in r["paragraphs"]]
-        return r["question"], [r["answer"], *r.get("answer_aliases", [])], docs, [p["is_supporting"] for p in r["paragraphs"]]
+        return (
+            r["question"],
+            [r["answer"], *r.get("answer_aliases", [])],
+            docs,
+            [p["is_supporting"] for p in r["paragraphs"]],
+        )
     titles = {t for t, _ in r["supporting_facts"]}
     docs = [{"title": t, "text": "".join(s).strip()} for t, s in r["context"]]
     return r["question"], [r["answer"]], docs, [d["title"] in titles for d in docs]
@@ -195,13 +213,25 @@ def multihop_examples(dataset: str, num_questions: int, num_docs: Sequence[int],
             distractors += multihop_pool(dataset).ranked(question, answers, exclude, extra_needed)
         for n in num_docs:
             if n < len(gold) + 1:
-                raise ValueError(f"--num-docs {n}: {dataset} question {q} has {len(gold)} gold documents; "
-                                 f"N must leave room for at least one distractor")
+                raise ValueError(
+                    f"--num-docs {n}: {dataset} question {q} has {len(gold)} gold documents; "
+                    f"N must leave room for at least one distractor"
+                )
             chosen = [(d, True) for d in gold] + [(d, False) for d in distractors[: n - len(gold)]]
             random.Random(f"{seed}-{dataset}-{q}-n{n}").shuffle(chosen)
-            out.append(Example(f"{dataset}-{q}-n{n}-shuffled", dataset, str(q), question, tuple(answers),
-                               tuple(d for d, _ in chosen), tuple(i + 1 for i, (_, g) in enumerate(chosen) if g),
-                               n, "shuffled"))
+            out.append(
+                Example(
+                    f"{dataset}-{q}-n{n}-shuffled",
+                    dataset,
+                    str(q),
+                    question,
+                    tuple(answers),
+                    tuple(d for d, _ in chosen),
+                    tuple(i + 1 for i, (_, g) in enumerate(chosen) if g),
+                    n,
+                    "shuffled",
+                )
+            )
     return out
 
 
@@ -220,13 +250,17 @@ def kv_examples(num_questions: int, num_docs: Sequence[int], positions: Sequence
                     pairs.insert(slot, [r["key"], r["value"]])
                     docs = tuple({"title": None, "text": f'"{k}": "{v}"'} for k, v in pairs)
                     question = f'What is the value associated with the key "{r["key"]}"?'
-                    out.append(Example(f"kv-{q}-n{n}-{label}", "kv", str(q), question, (r["value"],), docs,
-                                       (slot + 1,), n, label))
+                    out.append(
+                        Example(
+                            f"kv-{q}-n{n}-{label}", "kv", str(q), question, (r["value"],), docs, (slot + 1,), n, label
+                        )
+                    )
     return out
 
 
-def build(dataset: str, num_questions: int, num_docs: Sequence[int], positions: Sequence[str],
-          seed: int) -> list[Example]:
+def build(
+    dataset: str, num_questions: int, num_docs: Sequence[int], positions: Sequence[str], seed: int
+) -> list[Example]:
     """Examples of one dataset for every N and gold position (multi-hop sets ignore positions)."""
     if dataset not in DATASETS:
         raise ValueError(f"dataset: expected one of {DATASETS}, got {dataset!r}")

@@ -21,8 +21,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from snapkv_rag.server import ray_local
 
@@ -31,7 +32,7 @@ from .datasets import Example
 from .methods import MethodSpec
 
 MAX_ATTEMPTS = 3  # a prompt whose actor died this many times is reported, not retried forever
-IN_FLIGHT = 2     # prompts queued per actor, so that it never waits for the driver
+IN_FLIGHT = 2  # prompts queued per actor, so that it never waits for the driver
 
 
 class Worker:
@@ -42,16 +43,36 @@ class Worker:
         self.llm.instruction = instruction
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "device": str(self.llm.device),
-                "context_window": self.llm.context_window}
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "device": str(self.llm.device),
+            "context_window": self.llm.context_window,
+        }
 
     def prompt_tokens(self, items: Sequence[tuple[str, list]]) -> list[int]:
         return [self.llm.prompt_tokens(question, documents) for question, documents in items]
 
-    def compare(self, question: str, documents: list, configs: dict, max_new_tokens: int, stop: list,
-                cite: str = "text", together: bool = False) -> Any:
-        return self.llm.compare(question, documents, methods=configs, hit_rate=True, max_new_tokens=max_new_tokens,
-                                stop=stop, cite=cite, together=together)
+    def compare(
+        self,
+        question: str,
+        documents: list,
+        configs: dict,
+        max_new_tokens: int,
+        stop: list,
+        cite: str = "text",
+        together: bool = False,
+    ) -> Any:
+        return self.llm.compare(
+            question,
+            documents,
+            methods=configs,
+            hit_rate=True,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            cite=cite,
+            together=together,
+        )
 
 
 def _doc_key(question: str, documents: Sequence) -> tuple:
@@ -62,8 +83,14 @@ class RayPool:
     """Actors on a Ray cluster, and the two things the driver asks of an engine (prompt lengths and
     the context window) answered by them."""
 
-    def __init__(self, address: str, workers: int | None, make_engine: Callable[[], Any], instruction: str,
-                 device: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        workers: int | None,
+        make_engine: Callable[[], Any],
+        instruction: str,
+        device: str | None = None,
+    ):
         try:
             import ray
         except ImportError:
@@ -86,8 +113,7 @@ class RayPool:
         count = workers or gpus or int(resources.get("CPU", 1))
         per_actor = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 1}
         if gpus and count > gpus:
-            print(f"--ray-workers {count}: the cluster has {gpus} GPUs; {count - gpus} actors wait for one",
-                  flush=True)
+            print(f"--ray-workers {count}: the cluster has {gpus} GPUs; {count - gpus} actors wait for one", flush=True)
         actor = ray.remote(Worker).options(max_restarts=-1, max_task_retries=0, **per_actor)
         self.actors = [actor.remote(make_engine, instruction) for _ in range(count)]
         try:
@@ -95,8 +121,10 @@ class RayPool:
         except ray.exceptions.RayActorError as error:  # the engine's constructor raised (model, device, dtype)
             cause = getattr(error, "cause", None) or error
             self.close()
-            raise SystemExit(f"--model/--device/--dtype: the Ray actors could not load the model: "
-                             f"{str(cause).strip().splitlines()[-1]}") from None
+            raise SystemExit(
+                f"--model/--device/--dtype: the Ray actors could not load the model: "
+                f"{str(cause).strip().splitlines()[-1]}"
+            ) from None
         exposed = ray_local.exposure_warning() if self.started and address == "local" else None
         if exposed:
             print(f"ray: warning: {exposed}", file=sys.stderr, flush=True)
@@ -104,8 +132,11 @@ class RayPool:
         self.device = self.infos[0]["device"]
         self._lengths: dict[tuple, int] = {}
         hosts = sorted({i["host"] for i in self.infos})
-        print(f"ray: {count} actors ({'1 GPU' if gpus else '1 CPU'} each) on {len(hosts)} node(s), "
-              f"model on {self.device}", flush=True)
+        print(
+            f"ray: {count} actors ({'1 GPU' if gpus else '1 CPU'} each) on {len(hosts)} node(s), "
+            f"model on {self.device}",
+            flush=True,
+        )
 
     def prompt_tokens(self, question: str, documents: Sequence | None = None) -> int:
         key = _doc_key(question, documents or [])
@@ -116,7 +147,7 @@ class RayPool:
     def count_many(self, items: Sequence[tuple[str, list]], chunk: int = 64) -> None:
         """Prompt lengths of many prompts at once, spread over the actors (cached by content)."""
         todo = [it for it in items if _doc_key(*it) not in self._lengths]
-        chunks = [todo[i:i + chunk] for i in range(0, len(todo), chunk)]
+        chunks = [todo[i : i + chunk] for i in range(0, len(todo), chunk)]
         refs = [self.actors[i % len(self.actors)].prompt_tokens.remote(c) for i, c in enumerate(chunks)]
         for c, lengths in zip(chunks, self.ray.get(refs)):
             self._lengths.update((_doc_key(*it), n) for it, n in zip(c, lengths))
@@ -138,14 +169,25 @@ class RayPool:
         if self.started:
             self.ray.shutdown()
 
-    def run(self, examples: Sequence[Example], specs: Sequence[MethodSpec], out: Path, *, settings: dict,
-            max_new_tokens: int, stop: Sequence[str], resume: bool = True, progress: bool = True,
-            on_result: Callable[[int], None] | None = None) -> Path:
+    def run(
+        self,
+        examples: Sequence[Example],
+        specs: Sequence[MethodSpec],
+        out: Path,
+        *,
+        settings: dict,
+        max_new_tokens: int,
+        stop: Sequence[str],
+        resume: bool = True,
+        progress: bool = True,
+        on_result: Callable[[int], None] | None = None,
+    ) -> Path:
         """Like :func:`evals.runner.run`, on the actors. ``on_result(k)`` is called after the k-th
         prompt of this run came back (tests use it to kill an actor mid-run)."""
         self.count_many([(e.question, list(e.documents)) for e in examples])
-        path, todo, plans = runner.pending(self, examples, specs, out, settings=settings,
-                                           max_new_tokens=max_new_tokens, resume=resume)
+        path, todo, plans = runner.pending(
+            self, examples, specs, out, settings=settings, max_new_tokens=max_new_tokens, resume=resume
+        )
         bar = runner._progress(len(examples), len(examples) - len(todo), progress)
         errors = self.ray.exceptions
         queue = list(range(len(todo)))  # indices into todo, next to send
@@ -162,10 +204,15 @@ class RayPool:
                     while queue and load[a] < IN_FLIGHT and a not in down:
                         i = queue.pop(0)
                         configs, _, _ = plans[runner.cell_key(todo[i])]
-                        ref = self.actors[a].compare.remote(todo[i].question, list(todo[i].documents), configs,
-                                                            max_new_tokens, list(stop),
-                                                            settings.get("citations") or "text",
-                                                            bool(settings.get("batch_methods")))
+                        ref = self.actors[a].compare.remote(
+                            todo[i].question,
+                            list(todo[i].documents),
+                            configs,
+                            max_new_tokens,
+                            list(stop),
+                            settings.get("citations") or "text",
+                            bool(settings.get("batch_methods")),
+                        )
                         running[ref] = (i, a)
                         load[a] += 1
                 [ref], _ = self.ray.wait([*running, *pings], num_returns=1)
@@ -183,11 +230,15 @@ class RayPool:
                     comparison = self.ray.get(ref)
                 except errors.RayActorError as error:  # the actor's process died (or is restarting)
                     attempts[i] += 1
-                    bar.write(f"ray: actor {a} died running {todo[i].id} ({type(error).__name__}); Ray restarts "
-                              f"it and the prompt is sent again", file=sys.stderr)
+                    bar.write(
+                        f"ray: actor {a} died running {todo[i].id} ({type(error).__name__}); Ray restarts "
+                        f"it and the prompt is sent again",
+                        file=sys.stderr,
+                    )
                     if attempts[i] >= MAX_ATTEMPTS:
-                        raise RuntimeError(f"{todo[i].id}: the actor running it died {attempts[i]} times; "
-                                           f"rows so far are in {path}") from error
+                        raise RuntimeError(
+                            f"{todo[i].id}: the actor running it died {attempts[i]} times; rows so far are in {path}"
+                        ) from error
                     queue.insert(0, i)
                     if a not in pings.values():
                         pings[self.actors[a].info.remote()] = a
@@ -210,12 +261,15 @@ class RayPool:
 def no_cluster(address: str) -> str:
     """The one line for ``--ray auto`` / ``--ray ADDRESS`` when there is no cluster to join there."""
     where = "running on this machine (or at RAY_ADDRESS)" if address == "auto" else f"at {address}"
-    return (f"--ray {address}: found no Ray cluster {where}; use bare --ray to start Ray here, or start one "
-            "with `ray start --head` and pass --ray auto (or its address, HEAD:6379 / ray://HEAD:10001)")
+    return (
+        f"--ray {address}: found no Ray cluster {where}; use bare --ray to start Ray here, or start one "
+        "with `ray start --head` and pass --ray auto (or its address, HEAD:6379 / ray://HEAD:10001)"
+    )
 
 
-def connect(address: str, workers: int | None, make_engine: Callable[[], Any], instruction: str,
-            device: str | None = None) -> RayPool:
+def connect(
+    address: str, workers: int | None, make_engine: Callable[[], Any], instruction: str, device: str | None = None
+) -> RayPool:
     """Start (``local``) or join (``auto``, ``ray://host:10001``, ``host:6379``) a Ray cluster."""
     start = time.perf_counter()
     pool = RayPool(address, workers, make_engine, instruction, device)

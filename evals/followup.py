@@ -31,9 +31,10 @@ import math
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .datasets import nq_examples
 from .metrics import answer_scores, citation_scores, fidelity_scores
@@ -62,7 +63,7 @@ def groups(num_groups: int, per_group: int, num_docs: int, seed: int) -> list[Gr
     examples = nq_examples(num_groups * per_group, [num_docs], ["middle"], seed)
     out = []
     for g in range(num_groups):
-        members = examples[g * per_group:(g + 1) * per_group]
+        members = examples[g * per_group : (g + 1) * per_group]
         pooled, seen = [], set()
         for example in members:
             for doc in example.documents:
@@ -71,8 +72,9 @@ def groups(num_groups: int, per_group: int, num_docs: int, seed: int) -> list[Gr
                     pooled.append(doc)
         random.Random(f"{seed}-followup-{g}").shuffle(pooled)
         number = {doc["text"]: i + 1 for i, doc in enumerate(pooled)}
-        questions = tuple(Question(e.question, e.answers, tuple(number[e.documents[i - 1]["text"]] for i in e.gold))
-                          for e in members)
+        questions = tuple(
+            Question(e.question, e.answers, tuple(number[e.documents[i - 1]["text"]] for i in e.gold)) for e in members
+        )
         out.append(Group(f"g{g}-" + "-".join(e.question_id for e in members), tuple(pooled), questions))
     return out
 
@@ -82,10 +84,10 @@ def question_one_set(llm, documents: Sequence[dict], question: str, ratio: float
     whole question tail votes (window = tail), ``ceil(ratio x documents' tokens)`` document positions
     are kept per head, and the tail itself is dropped so that any later question can follow."""
     from snapkv_rag import SnapKVConfig
-    from snapkv_rag.kv import prefix_cache
-    from snapkv_rag.kv.prompt_cache import LayerKV
     from snapkv_rag.documents.store import DocumentSet
     from snapkv_rag.documents.stored import Stored, entry_key, identity
+    from snapkv_rag.kv import prefix_cache
+    from snapkv_rag.kv.prompt_cache import LayerKV
 
     request = llm.request(question, documents)
     ids = request.input_ids
@@ -103,8 +105,9 @@ def question_one_set(llm, documents: Sequence[dict], question: str, ratio: float
         take = order[..., None].expand(-1, -1, -1, kv.keys.shape[-1])
         layers.append(LayerKV(kv.keys.gather(2, take), kv.values.gather(2, take), kv.positions.gather(2, order)))
     method = SnapKVConfig(max_capacity_prompt=budget, window_size=tail)
-    entry = Stored.of(entry_key(identity(llm), method, ids[:at]) + "-q1", ids[:at], layers, method,
-                      request.documents, llm.instruction)
+    entry = Stored.of(
+        entry_key(identity(llm), method, ids[:at]) + "-q1", ids[:at], layers, method, request.documents, llm.instruction
+    )
     llm.doc_store.put(entry)
     return DocumentSet(llm, entry)
 
@@ -117,14 +120,17 @@ def handles(llm, group: Group, ratio: float, methods: Sequence[str] = REUSED) ->
     probe = llm.request(group.questions[0].question, group.documents)
     budget = math.ceil(ratio * prefix_cache.boundary(probe.input_ids, probe.spans))
     recent = KeyNormConfig(max_capacity_prompt=budget, window_size=budget // 2)
-    makers = {"snapkv-q1": lambda: question_one_set(llm, group.documents, group.questions[0].question, ratio),
-              "keynorm": lambda: llm.index_documents(group.documents, method=KeyNormConfig(ratio=ratio)),
-              "keynorm-recent": lambda: llm.index_documents(group.documents, method=recent),
-              "kvzip": lambda: llm.index_documents(group.documents, method=KVzipConfig(ratio=ratio)),
-              "kvzip-head": lambda: llm.index_documents(group.documents, method=KVzipConfig(
-                  ratio=ratio, share="head", sink_tokens=0, kernel_size=7)),
-              "kvzip-slots": lambda: llm.index_documents(group.documents, method=KVzipConfig(ratio=ratio, fit="slots")),
-              "streaming": lambda: llm.index_documents(group.documents, method=StreamingLLMConfig(ratio=ratio))}
+    makers = {
+        "snapkv-q1": lambda: question_one_set(llm, group.documents, group.questions[0].question, ratio),
+        "keynorm": lambda: llm.index_documents(group.documents, method=KeyNormConfig(ratio=ratio)),
+        "keynorm-recent": lambda: llm.index_documents(group.documents, method=recent),
+        "kvzip": lambda: llm.index_documents(group.documents, method=KVzipConfig(ratio=ratio)),
+        "kvzip-head": lambda: llm.index_documents(
+            group.documents, method=KVzipConfig(ratio=ratio, share="head", sink_tokens=0, kernel_size=7)
+        ),
+        "kvzip-slots": lambda: llm.index_documents(group.documents, method=KVzipConfig(ratio=ratio, fit="slots")),
+        "streaming": lambda: llm.index_documents(group.documents, method=StreamingLLMConfig(ratio=ratio)),
+    }
     out = {}
     for name, make in ((n, makers[n]) for n in methods):
         start = time.perf_counter()
@@ -143,19 +149,37 @@ def ask(llm, question: str, documents, max_new_tokens: int, **options) -> tuple[
     return (first if first is not None else time.perf_counter() - start), result
 
 
-def group_rows(llm, group: Group, budgets: Sequence[float], max_new_tokens: int, methods: Sequence[str] = METHODS,
-               full: dict[int, str] | None = None) -> list[dict]:
+def group_rows(
+    llm,
+    group: Group,
+    budgets: Sequence[float],
+    max_new_tokens: int,
+    methods: Sequence[str] = METHODS,
+    full: dict[int, str] | None = None,
+) -> list[dict]:
     """One group's rows: per question the full cache (unless ``full`` gives its answers), then per
     budget each of ``methods``."""
     from snapkv_rag import SnapKVConfig
 
     rows, full = [], dict(full or {})
+
     def row(method, budget, i, ttft, result, reference, **extra):
         q = group.questions[i]
-        return {"group": group.id, "question_index": i, "question": q.question, "method": method,
-                "budget": budget, "text": result.text, "ttft_s": ttft, "prompt_tokens": result.usage.prompt_tokens,
-                **fidelity_scores(result.text, reference), **answer_scores(result.text, q.answers),
-                **citation_scores(result.citations, q.gold), **extra}
+        return {
+            "group": group.id,
+            "question_index": i,
+            "question": q.question,
+            "method": method,
+            "budget": budget,
+            "text": result.text,
+            "ttft_s": ttft,
+            "prompt_tokens": result.usage.prompt_tokens,
+            **fidelity_scores(result.text, reference),
+            **answer_scores(result.text, q.answers),
+            **citation_scores(result.citations, q.gold),
+            **extra,
+        }
+
     for i, q in enumerate(group.questions):
         if i not in full:
             ttft, result = ask(llm, q.question, group.documents, max_new_tokens, snapkv=False)
@@ -168,13 +192,31 @@ def group_rows(llm, group: Group, budgets: Sequence[float], max_new_tokens: int,
         for name, (handle, build_s) in handles(llm, group, budget, [m for m in REUSED if m in methods]).items():
             for i, q in enumerate(group.questions):
                 ttft, result = ask(llm, q.question, handle, max_new_tokens)
-                rows.append(row(name, budget, i, ttft, result, full[i], build_s=build_s,
-                                stored_bytes=handle.kept_bytes, full_bytes=handle.full_bytes))
+                rows.append(
+                    row(
+                        name,
+                        budget,
+                        i,
+                        ttft,
+                        result,
+                        full[i],
+                        build_s=build_s,
+                        stored_bytes=handle.kept_bytes,
+                        full_bytes=handle.full_bytes,
+                    )
+                )
     return rows
 
 
-def run(llm, todo: Sequence[Group], budgets: Sequence[float], out: Path, max_new_tokens: int,
-        progress: bool = True, methods: Sequence[str] = METHODS) -> Path:
+def run(
+    llm,
+    todo: Sequence[Group],
+    budgets: Sequence[float],
+    out: Path,
+    max_new_tokens: int,
+    progress: bool = True,
+    methods: Sequence[str] = METHODS,
+) -> Path:
     """Append each group's rows of ``methods`` not yet in ``out/rows.jsonl`` (a group at a time:
     resumable; a method added later runs on the groups already done, over their full answers)."""
     path = out / "rows.jsonl"
@@ -187,12 +229,16 @@ def run(llm, todo: Sequence[Group], budgets: Sequence[float], out: Path, max_new
         if not missing and len(full) == len(group.questions):
             continue
         start = time.perf_counter()
-        rows = group_rows(llm, group, budgets, max_new_tokens, missing,
-                          full if len(full) == len(group.questions) else None)
+        rows = group_rows(
+            llm, group, budgets, max_new_tokens, missing, full if len(full) == len(group.questions) else None
+        )
         append_rows(path, rows)
         if progress:
-            print(f"group {n + 1}/{len(todo)} ({len(group.documents)} documents, {rows[0]['prompt_tokens']} tokens): "
-                  f"{time.perf_counter() - start:.0f} s", flush=True)
+            print(
+                f"group {n + 1}/{len(todo)} ({len(group.documents)} documents, {rows[0]['prompt_tokens']} tokens): "
+                f"{time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
     return path
 
 
@@ -207,8 +253,13 @@ def summarise(rows: Sequence[dict], later_only: bool = True) -> list[dict]:
     out = []
     for (method, budget), cell in sorted(by.items(), key=lambda kv: (kv[0][1], METHODS.index(kv[0][0]))):
         same = [r["identical_to_full"] for r in cell.values()]
-        record = {"method": method, "budget": budget, "n": len(cell), "identical_to_full": sum(same) / len(same),
-                  "identical_ci": bootstrap_ci(same)}
+        record = {
+            "method": method,
+            "budget": budget,
+            "n": len(cell),
+            "identical_to_full": sum(same) / len(same),
+            "identical_ci": bootstrap_ci(same),
+        }
         for key in ("f1_vs_full", "f1", "cit_f1", "ttft_s"):
             record[key] = sum(r[key] for r in cell.values()) / len(cell)
         stored = [r["stored_bytes"] / r["full_bytes"] for r in cell.values() if "stored_bytes" in r]
@@ -223,15 +274,20 @@ def summarise(rows: Sequence[dict], later_only: bool = True) -> list[dict]:
 
 
 def markdown(records: Sequence[dict]) -> str:
-    lines = ["| method | budget | n | identical to full [95%] | vs snapkv-q1 [95%] | F1 vs full | answer F1 | "
-             "citation F1 | first token (s) | stored / full |", "|" + "---|" * 10]
+    lines = [
+        "| method | budget | n | identical to full [95%] | vs snapkv-q1 [95%] | F1 vs full | answer F1 | "
+        "citation F1 | first token (s) | stored / full |",
+        "|" + "---|" * 10,
+    ]
     for r in records:
         lo, hi = r["identical_ci"]
         vs = f"{r['vs_q1'][0]:+.2f} [{r['vs_q1'][1][0]:+.2f}, {r['vs_q1'][1][1]:+.2f}]" if "vs_q1" in r else ""
         stored = f"{r['stored_fraction']:.3f}" if r["stored_fraction"] is not None else ""
-        lines.append(f"| {r['method']} | {r['budget']:.0%} | {r['n']} | {r['identical_to_full']:.2f} [{lo:.2f}, "
-                     f"{hi:.2f}] | {vs} | {r['f1_vs_full']:.2f} | {r['f1']:.3f} | {r['cit_f1']:.2f} | "
-                     f"{r['ttft_s']:.2f} | {stored} |")
+        lines.append(
+            f"| {r['method']} | {r['budget']:.0%} | {r['n']} | {r['identical_to_full']:.2f} [{lo:.2f}, "
+            f"{hi:.2f}] | {vs} | {r['f1_vs_full']:.2f} | {r['f1']:.3f} | {r['cit_f1']:.2f} | "
+            f"{r['ttft_s']:.2f} | {stored} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -240,20 +296,25 @@ def readme(rows: Sequence[dict], records: Sequence[dict], command: str, planned:
     piece of questions 2+ (median) over each stored set against the full prefill."""
     done = len({r["group"] for r in rows})
     later = [r for r in rows if r["question_index"] > 0]
+
     def median(method):
         values = sorted(r["ttft_s"] for r in later if r["method"] == method)
         return values[len(values) // 2] if values else None
+
     full = median("full")
     speed = ", ".join(f"{m} {median(m):.2f} s ({full / median(m):.1f}x sooner)" for m in REUSED if median(m))
-    return (f"# Follow-up questions over one compressed document set: {done} of {planned} groups\n\n"
-            f"`{command}` (resumable; `command.txt`). Each group pools the documents of 3 NQ questions (5 each, "
-            "gold in the middle of its own list) into one shuffled set of about 15 documents (~1,800-token prompts); "
-            "each question is asked over the whole set on the embedded SmolLM2-135M (CPU, greedy, 32 new tokens, no "
-            "prefix cache). The table covers questions 2 and 3 of each group: question 1 is the one `snapkv-q1` was "
-            "compressed for. 'vs snapkv-q1' is the paired difference in identical-to-full rate (95% bootstrap). "
-            "Methods added after the first groups ran have fewer rows (n).\n\n" + markdown(records) +
-            f"\nTime to the first text piece of questions 2+, median: full prefill {full:.2f} s; over a stored set "
-            f"{speed}. `followup.png` plots the table.\n")
+    return (
+        f"# Follow-up questions over one compressed document set: {done} of {planned} groups\n\n"
+        f"`{command}` (resumable; `command.txt`). Each group pools the documents of 3 NQ questions (5 each, "
+        "gold in the middle of its own list) into one shuffled set of about 15 documents (~1,800-token prompts); "
+        "each question is asked over the whole set on the embedded SmolLM2-135M (CPU, greedy, 32 new tokens, no "
+        "prefix cache). The table covers questions 2 and 3 of each group: question 1 is the one `snapkv-q1` was "
+        "compressed for. 'vs snapkv-q1' is the paired difference in identical-to-full rate (95% bootstrap). "
+        "Methods added after the first groups ran have fewer rows (n).\n\n"
+        + markdown(records)
+        + f"\nTime to the first text piece of questions 2+, median: full prefill {full:.2f} s; over a stored set "
+        f"{speed}. `followup.png` plots the table.\n"
+    )
 
 
 def plot(records: Sequence[dict], path: Path) -> Path:
@@ -267,7 +328,10 @@ def plot(records: Sequence[dict], path: Path) -> Path:
         cell = sorted((r for r in records if r["method"] == method), key=lambda r: r["budget"])
         xs = [100 * r["budget"] + 1.2 * (i - len(methods) / 2) for r in cell]
         ys = [r["identical_to_full"] for r in cell]
-        err = [[y - r["identical_ci"][0] for y, r in zip(ys, cell)], [r["identical_ci"][1] - y for y, r in zip(ys, cell)]]
+        err = [
+            [y - r["identical_ci"][0] for y, r in zip(ys, cell)],
+            [r["identical_ci"][1] - y for y, r in zip(ys, cell)],
+        ]
         left.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method)
     left.set_xlabel("documents' tokens kept (%)")
     left.set_ylabel("answer identical to the full cache's")
@@ -297,8 +361,11 @@ def main(argv: list[str] | None = None, engine=None) -> int:
     p.add_argument("--out", type=Path, default=Path("evals/results/followup"))
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report-only", action="store_true", help="write the summary, README and plot from the rows so far")
-    p.add_argument("--methods", default=",".join(METHODS[1:]),
-                   help=f"comma-separated, of {', '.join(METHODS[1:])} (default all; the full cache always runs)")
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS[1:]),
+        help=f"comma-separated, of {', '.join(METHODS[1:])} (default all; the full cache always runs)",
+    )
     args = p.parse_args(argv)
     budgets = [float(b) for b in args.budgets.split(",")]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -313,8 +380,15 @@ def main(argv: list[str] | None = None, engine=None) -> int:
         engine = SnapKVLLM(args.model, prefix_cache_bytes=0)
     path = args.out / "rows.jsonl"
     if not args.report_only:
-        run(engine, groups(args.groups, args.per_group, args.num_docs, args.seed), budgets, args.out,
-            args.max_new_tokens, not args.no_progress, ["full", *methods])
+        run(
+            engine,
+            groups(args.groups, args.per_group, args.num_docs, args.seed),
+            budgets,
+            args.out,
+            args.max_new_tokens,
+            not args.no_progress,
+            ["full", *methods],
+        )
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
     records = summarise(rows)
     table = markdown(records)

@@ -11,8 +11,9 @@ above it, with a warning in the row's ``budget_note``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from snapkv_rag.methods import METHODS
 
@@ -54,8 +55,10 @@ def parse_spec(spec: str) -> MethodSpec:
         return MethodSpec("full", "full")
     kind, sep, budget = spec.partition("@")
     if kind not in kinds() or not sep or not budget:
-        raise ValueError(f"method {spec!r}: expected 'full' or KIND@BUDGET with KIND in {sorted(kinds())} and BUDGET "
-                         f"a token count (512) or a share of the prompt (25%)")
+        raise ValueError(
+            f"method {spec!r}: expected 'full' or KIND@BUDGET with KIND in {sorted(kinds())} and BUDGET "
+            f"a token count (512) or a share of the prompt (25%)"
+        )
     try:
         if budget.endswith("%"):
             ratio = float(budget[:-1]) / 100
@@ -67,8 +70,9 @@ def parse_spec(spec: str) -> MethodSpec:
             raise ValueError
         return MethodSpec(f"{kind}@{tokens}", kind, tokens=tokens)
     except ValueError:
-        raise ValueError(f"method {spec!r}: the budget must be a percentage in (0%, 100%) or an integer > {WINDOW}"
-                         ) from None
+        raise ValueError(
+            f"method {spec!r}: the budget must be a percentage in (0%, 100%) or an integer > {WINDOW}"
+        ) from None
 
 
 def expand(methods: Sequence[str], budgets: Sequence[str]) -> list[MethodSpec]:

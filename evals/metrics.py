@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from snapkv_rag.request.prompts import strip_citations
 
@@ -57,8 +57,11 @@ def best_over(metric, prediction: str, answers: Sequence[str]) -> float:
 def answer_scores(text: str, answers: Sequence[str]) -> dict[str, float]:
     """EM, token F1 and best-subspan EM of a generated text, citation markers removed first."""
     answer = strip_citations(text)
-    return {"em": best_over(exact_match, answer, answers), "f1": best_over(token_f1, answer, answers),
-            "subspan_em": best_over(subspan_exact_match, answer, answers)}
+    return {
+        "em": best_over(exact_match, answer, answers),
+        "f1": best_over(token_f1, answer, answers),
+        "subspan_em": best_over(subspan_exact_match, answer, answers),
+    }
 
 
 def citation_scores(cited: Iterable[int], gold: Iterable[int]) -> dict[str, float]:
@@ -80,5 +83,7 @@ def citation_scores(cited: Iterable[int], gold: Iterable[int]) -> dict[str, floa
 def fidelity_scores(text: str, full_text: str) -> dict[str, float]:
     """How close a compressed-cache answer is to the full cache's: identical greedy text, and
     token F1 of the answers (citation markers removed) against each other."""
-    return {"identical_to_full": float(text.strip() == full_text.strip()),
-            "f1_vs_full": token_f1(strip_citations(text), strip_citations(full_text))}
+    return {
+        "identical_to_full": float(text.strip() == full_text.strip()),
+        "f1_vs_full": token_f1(strip_citations(text), strip_citations(full_text)),
+    }

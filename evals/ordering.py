@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 _POSITION_ORDER = {"first": 0, "middle": 1, "last": 2, "shuffled": 3}
 

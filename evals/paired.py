@@ -15,15 +15,21 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from statistics import mean
-from typing import Sequence
 
 from .ordering import method_order
 from .report import bootstrap_ci, read_rows
 
-METRICS = {"cit_precision": "cit P", "cit_recall": "cit R", "cit_f1": "cit F1", "f1": "answer F1",
-           "cites_gold": "cites gold", "cites_any": "cites any"}
+METRICS = {
+    "cit_precision": "cit P",
+    "cit_recall": "cit R",
+    "cit_f1": "cit F1",
+    "f1": "answer F1",
+    "cites_gold": "cites gold",
+    "cites_any": "cites any",
+}
 SAME = ("question", "answers", "gold_docs", "num_docs", "gold_position")
 
 
@@ -42,8 +48,10 @@ def pair_rows(json_rows: Sequence[dict], text_rows: Sequence[dict]) -> list[tupl
             continue
         differ = [k for k in SAME if row.get(k) != other.get(k)]
         if differ:
-            raise ValueError(f"{row['example_id']} ({row['method']}): the runs differ in {', '.join(differ)}; "
-                             "they did not run the same prompts")
+            raise ValueError(
+                f"{row['example_id']} ({row['method']}): the runs differ in {', '.join(differ)}; "
+                "they did not run the same prompts"
+            )
         pairs.append((with_flags(row), with_flags(other)))
     return pairs
 
@@ -55,18 +63,27 @@ def table(pairs: Sequence[tuple[dict, dict]]) -> list[str]:
     methods = method_order(j for j, _ in pairs)
     lines = []
     for metric, label in METRICS.items():
-        lines += [f"### {label}", "", "| N | method | pairs | text | JSON | JSON - text [95% CI] |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"### {label}",
+            "",
+            "| N | method | pairs | text | JSON | JSON - text [95% CI] |",
+            "|---|---|---|---|---|---|",
+        ]
         for n in sorted({n for n, _ in groups}):
             for method in methods:
-                group = [(j, t) for j, t in groups.get((n, method), []) if j.get(metric) is not None
-                         and t.get(metric) is not None]
+                group = [
+                    (j, t)
+                    for j, t in groups.get((n, method), [])
+                    if j.get(metric) is not None and t.get(metric) is not None
+                ]
                 if not group:
                     continue
                 diffs = [j[metric] - t[metric] for j, t in group]
                 low, high = bootstrap_ci(diffs)
-                lines.append(f"| {n} | {method} | {len(group)} | {mean(t[metric] for _, t in group):.3f} | "
-                             f"{mean(j[metric] for j, _ in group):.3f} | {mean(diffs):+.3f} [{low:+.3f}, {high:+.3f}] |")
+                lines.append(
+                    f"| {n} | {method} | {len(group)} | {mean(t[metric] for _, t in group):.3f} | "
+                    f"{mean(j[metric] for j, _ in group):.3f} | {mean(diffs):+.3f} [{low:+.3f}, {high:+.3f}] |"
+                )
         lines.append("")
     return lines
 
@@ -76,11 +93,16 @@ def write(json_dir: Path, text_dirs: Sequence[Path], out: Path | None = None) ->
     text_rows = [r for d in text_dirs for r in read_rows(d / "rows.jsonl")]
     pairs = pair_rows(json_rows, text_rows)
     complete = [j.get("json_complete") for j, _ in pairs]
-    lines = ["# Cited answers: JSON (constrained) vs free text, paired on the same prompts", "",
-             f"{len(pairs)} pairs ({len({j['example_id'] for j, _ in pairs})} prompts) of {len(json_rows)} JSON rows; "
-             f"free-text rows from {', '.join(d.name for d in text_dirs)}. JSON answers complete (parsed): "
-             f"{sum(1 for c in complete if c)} of {len(complete)}. 'cites gold': the answer cites the gold "
-             "document; 'cites any': it cites something.", "", *table(pairs)]
+    lines = [
+        "# Cited answers: JSON (constrained) vs free text, paired on the same prompts",
+        "",
+        f"{len(pairs)} pairs ({len({j['example_id'] for j, _ in pairs})} prompts) of {len(json_rows)} JSON rows; "
+        f"free-text rows from {', '.join(d.name for d in text_dirs)}. JSON answers complete (parsed): "
+        f"{sum(1 for c in complete if c)} of {len(complete)}. 'cites gold': the answer cites the gold "
+        "document; 'cites any': it cites something.",
+        "",
+        *table(pairs),
+    ]
     out = out or json_dir / "paired.md"
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out

@@ -4,8 +4,8 @@ line per method, 95% intervals as error bars."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 import numpy as np
@@ -37,8 +37,9 @@ def against_n(by_n: Sequence[dict], methods: Sequence[str], metric: str, ylabel:
     fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
     for ax, dataset in zip(axes[0], datasets):
         for i, method in enumerate(methods):
-            records = sorted((r for r in by_n if r["dataset"] == dataset and r["method"] == method),
-                             key=lambda r: r["num_docs"])
+            records = sorted(
+                (r for r in by_n if r["dataset"] == dataset and r["method"] == method), key=lambda r: r["num_docs"]
+            )
             if records:
                 _errorbar(ax, [r["num_docs"] for r in records], records, metric, method, 0.15 * (i - len(methods) / 2))
         ax.set_title(dataset)
@@ -49,21 +50,36 @@ def against_n(by_n: Sequence[dict], methods: Sequence[str], metric: str, ylabel:
 
 
 def against_position(cells: Sequence[dict], methods: Sequence[str], metric: str, ylabel: str, path: Path) -> bool:
-    panels = sorted({(r["dataset"], r["num_docs"]) for r in cells  # positions set by the data are not a sweep
-                     if r["gold_position"] not in ("shuffled", "given") and depth_of(r["gold_position"]) is None})
+    panels = sorted(
+        {
+            (r["dataset"], r["num_docs"])
+            for r in cells  # positions set by the data are not a sweep
+            if r["gold_position"] not in ("shuffled", "given") and depth_of(r["gold_position"]) is None
+        }
+    )
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8), squeeze=False, sharey=True)
     for ax, (dataset, n) in zip(axes[0], panels):
-        positions = sorted({r["gold_position"] for r in cells if r["dataset"] == dataset and r["num_docs"] == n},
-                           key=position_key)
+        positions = sorted(
+            {r["gold_position"] for r in cells if r["dataset"] == dataset and r["num_docs"] == n}, key=position_key
+        )
         for i, method in enumerate(methods):
-            records = {r["gold_position"]: r for r in cells
-                       if r["dataset"] == dataset and r["num_docs"] == n and r["method"] == method}
+            records = {
+                r["gold_position"]: r
+                for r in cells
+                if r["dataset"] == dataset and r["num_docs"] == n and r["method"] == method
+            }
             present = [p for p in positions if p in records]
             if present:
-                _errorbar(ax, [positions.index(p) for p in present], [records[p] for p in present], metric, method,
-                          0.05 * (i - len(methods) / 2))
+                _errorbar(
+                    ax,
+                    [positions.index(p) for p in present],
+                    [records[p] for p in present],
+                    metric,
+                    method,
+                    0.05 * (i - len(methods) / 2),
+                )
         ax.set_xticks(range(len(positions)), positions, rotation=45 if len(positions) > 3 else 0)
         ax.set_title(f"{dataset}, N={n}")
         ax.set_xlabel("gold document position")
@@ -77,8 +93,9 @@ def depth_of(position: str) -> int | None:
     return int(position[1:]) if len(position) == 4 and position[0] == "d" and position[1:].isdigit() else None
 
 
-def depth_heatmaps(cells: Sequence[dict], methods: Sequence[str], metric: str, folder: Path, suffix: str = ""
-                   ) -> list[Path]:
+def depth_heatmaps(
+    cells: Sequence[dict], methods: Sequence[str], metric: str, folder: Path, suffix: str = ""
+) -> list[Path]:
     """The classic depth x length heatmap, one file per dataset with depth-labelled cells (needle,
     lines), one panel per method: mean ``metric`` of each (length, depth) cell, annotated."""
     written = []
@@ -124,8 +141,7 @@ def share_of(method: str) -> tuple[str, float] | None:
         return None
 
 
-def against_budget(records: Sequence[dict], metric: str, ylabel: str, path: Path, dashed=lambda method: False
-                   ) -> bool:
+def against_budget(records: Sequence[dict], metric: str, ylabel: str, path: Path, dashed=lambda method: False) -> bool:
     """Fidelity against the share of the prompt kept: one panel per ``record["panel"]``, one line per
     method (its ``name@share`` records; dashed where ``dashed(name)``), each ending at the full cache
     (share 1, fidelity 1 by definition). False, and no file, when no method ran at a share."""
@@ -143,8 +159,16 @@ def against_budget(records: Sequence[dict], metric: str, ylabel: str, path: Path
             ys = [r[metric] for _, r in points] + [1.0]
             lo = [y - r.get(metric + "_lo", y) for y, (_, r) in zip(ys, points)] + [0]
             hi = [r.get(metric + "_hi", y) - y for y, (_, r) in zip(ys, points)] + [0]
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=family, color=colors[i % len(colors)],
-                        linestyle="--" if dashed(family) else "-")
+            ax.errorbar(
+                xs,
+                ys,
+                yerr=[lo, hi],
+                marker="o",
+                capsize=3,
+                label=family,
+                color=colors[i % len(colors)],
+                linestyle="--" if dashed(family) else "-",
+            )
         ax.set_title(panel)
         ax.set_xlabel("share of the prompt kept (%)")
         ax.grid(alpha=0.3)
@@ -152,24 +176,35 @@ def against_budget(records: Sequence[dict], metric: str, ylabel: str, path: Path
     return True
 
 
-METRIC_LABELS = {"subspan_em": "accuracy (answer inside the output)",
-                 "identical_to_full": "fidelity (same answer as the full cache)"}
+METRIC_LABELS = {
+    "subspan_em": "accuracy (answer inside the output)",
+    "identical_to_full": "fidelity (same answer as the full cache)",
+}
 
 
 def plot_all(rows: Sequence[dict], by_n: Sequence[dict], cells: Sequence[dict], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     methods = method_order(rows)
     written = []
-    for metric, ylabel, name in (("f1", "answer token F1", "answer_f1_vs_n.png"),
-                                 ("cit_f1", "citation F1", "citation_f1_vs_n.png"),
-                                 ("hit_rate", "attention hit rate vs full cache", "hit_rate_vs_n.png"),
-                                 ("f1_vs_full", "answer F1 vs full-cache answer", "fidelity_f1_vs_n.png")):
+    for metric, ylabel, name in (
+        ("f1", "answer token F1", "answer_f1_vs_n.png"),
+        ("cit_f1", "citation F1", "citation_f1_vs_n.png"),
+        ("hit_rate", "attention hit rate vs full cache", "hit_rate_vs_n.png"),
+        ("f1_vs_full", "answer F1 vs full-cache answer", "fidelity_f1_vs_n.png"),
+    ):
         against_n(by_n, methods, metric, ylabel, folder / name)
         written.append(folder / name)
     panels = [{**r, "panel": f"{r['dataset']}, N={r['num_docs']}"} for r in by_n]
-    if against_budget(panels, "identical_to_full", METRIC_LABELS["identical_to_full"], folder / "fidelity_vs_budget.png"):
+    if against_budget(
+        panels, "identical_to_full", METRIC_LABELS["identical_to_full"], folder / "fidelity_vs_budget.png"
+    ):
         written.append(folder / "fidelity_vs_budget.png")
-    if against_position(cells, methods, "subspan_em", "accuracy (best-subspan EM)", folder / "accuracy_vs_position.png"):
+    if against_position(
+        cells, methods, "subspan_em", "accuracy (best-subspan EM)", folder / "accuracy_vs_position.png"
+    ):
         written.append(folder / "accuracy_vs_position.png")
-    return (written + depth_heatmaps(cells, methods, "subspan_em", folder)
-            + depth_heatmaps(cells, [m for m in methods if m != "full"], "identical_to_full", folder, "_fidelity"))
+    return (
+        written
+        + depth_heatmaps(cells, methods, "subspan_em", folder)
+        + depth_heatmaps(cells, [m for m in methods if m != "full"], "identical_to_full", folder, "_fidelity")
+    )

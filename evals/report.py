@@ -10,26 +10,46 @@ from __future__ import annotations
 import csv
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 from .ordering import method_order, position_key
 
 METRICS = {  # column -> (label, bootstrap CI?)
-    "f1": ("answer F1", True), "f1_minus_full": ("F1 - full F1 (paired)", True),
-    "subspan_em": ("subspan EM", True), "em": ("EM", True),
-    "cit_precision": ("cit P", True), "cit_recall": ("cit R", True), "cit_f1": ("cit F1", True),
-    "identical_to_full": ("same as full", True), "f1_vs_full": ("F1 vs full", True), "hit_rate": ("hit rate", True),
-    "kept_tokens": ("kept tok", False), "kv_bytes_kept": ("KV MB", False), "prefill_s": ("prefill s", False),
-    "decode_ms_per_token": ("ms/tok", False), "prompt_tokens": ("prompt tok", False),
+    "f1": ("answer F1", True),
+    "f1_minus_full": ("F1 - full F1 (paired)", True),
+    "subspan_em": ("subspan EM", True),
+    "em": ("EM", True),
+    "cit_precision": ("cit P", True),
+    "cit_recall": ("cit R", True),
+    "cit_f1": ("cit F1", True),
+    "identical_to_full": ("same as full", True),
+    "f1_vs_full": ("F1 vs full", True),
+    "hit_rate": ("hit rate", True),
+    "kept_tokens": ("kept tok", False),
+    "kv_bytes_kept": ("KV MB", False),
+    "prefill_s": ("prefill s", False),
+    "decode_ms_per_token": ("ms/tok", False),
+    "prompt_tokens": ("prompt tok", False),
     "same_minus_snapkv": ("same as full - SnapKV's (paired)", True),
     "f1_vs_full_minus_snapkv": ("F1 vs full - SnapKV's (paired)", True),
 }
 AGAINST_SNAPKV = ("identical_to_full", "same_minus_snapkv", "f1_vs_full", "f1_vs_full_minus_snapkv", "kv_bytes_kept")
-TABLE_COLUMNS = ("f1", "f1_minus_full", "subspan_em", "cit_f1", "identical_to_full", "f1_vs_full", "hit_rate",
-                 "kept_tokens", "kv_bytes_kept", "prefill_s", "decode_ms_per_token")
+TABLE_COLUMNS = (
+    "f1",
+    "f1_minus_full",
+    "subspan_em",
+    "cit_f1",
+    "identical_to_full",
+    "f1_vs_full",
+    "hit_rate",
+    "kept_tokens",
+    "kv_bytes_kept",
+    "prefill_s",
+    "decode_ms_per_token",
+)
 
 
 def finished(path: Path, key: str) -> set:
@@ -74,8 +94,11 @@ def add_paired_deltas(rows: Sequence[dict]) -> None:
         if r["example_id"] in full:
             r["f1_minus_full"] = r["f1"] - full[r["example_id"]]
     # every other method against SnapKV at the same budget (``KIND@25%`` against ``snapkv@25%``), prompt by prompt
-    snapkv = {(r["example_id"], r["method"].partition("@")[2]): r for r in rows
-              if r["method"].partition("@")[0] == "snapkv" and "@" in r["method"]}
+    snapkv = {
+        (r["example_id"], r["method"].partition("@")[2]): r
+        for r in rows
+        if r["method"].partition("@")[0] == "snapkv" and "@" in r["method"]
+    }
     for r in rows:
         ref = snapkv.get((r["example_id"], r["method"].partition("@")[2])) if "@" in r["method"] else None
         if ref is not None and ref is not r and r.get("identical_to_full") is not None:
@@ -105,8 +128,11 @@ def aggregate(rows: Sequence[dict], keys: Sequence[str]) -> list[dict]:
         out.append(record)
 
     def sort_key(rec):
-        return tuple(methods.index(rec[k]) if k == "method" else position_key(rec[k]) if k == "gold_position"
-                     else rec[k] for k in keys)
+        return tuple(
+            methods.index(rec[k]) if k == "method" else position_key(rec[k]) if k == "gold_position" else rec[k]
+            for k in keys
+        )
+
     return sorted(out, key=sort_key)
 
 
@@ -161,8 +187,10 @@ def collect_rows(out: Path) -> list[dict]:
                 seen[key] = (path, row)
                 rows.append(row)
             elif seen[key][1].get("text") != row.get("text"):
-                raise SystemExit(f"{key[0]}, {key[1]}: {seen[key][0].parent.name} and {path.parent.name} hold different "
-                                 f"answers (different settings or code): they cannot be reported together")
+                raise SystemExit(
+                    f"{key[0]}, {key[1]}: {seen[key][0].parent.name} and {path.parent.name} hold different "
+                    f"answers (different settings or code): they cannot be reported together"
+                )
     if not rows:
         raise SystemExit(f"{out} has no rows yet")
     return rows
@@ -174,14 +202,18 @@ def data_notes(out: Path, rows: Sequence[dict]) -> list[str]:
     notes = []
     no_gold = sorted({r["dataset"] for r in rows if "cit_f1" in r and r["cit_f1"] is None})
     if no_gold:
-        notes.append(f"Citation metrics are left out for prompts without gold documents ({', '.join(no_gold)}): "
-                     "their cit columns average only the prompts that have gold, or show '-'.")
+        notes.append(
+            f"Citation metrics are left out for prompts without gold documents ({', '.join(no_gold)}): "
+            "their cit columns average only the prompts that have gold, or show '-'."
+        )
     paths = [out / "run.json"] if (out / "run.json").exists() else sorted(out.glob("*/run.json"))
     for path in paths:
         for data in json.loads(path.read_text()).get("data", []):
             if data.get("skipped"):
-                notes.append(f"--data {data['file']}: {data['skipped']} bad records skipped (--skip-bad), "
-                             f"{data['records']} used.")
+                notes.append(
+                    f"--data {data['file']}: {data['skipped']} bad records skipped (--skip-bad), "
+                    f"{data['records']} used."
+                )
     return notes
 
 
@@ -196,26 +228,47 @@ def write_all(out: Path) -> None:
     write_csv(cells, out / "summary.csv")
     questions = {(r["dataset"], r["question_id"]) for r in rows}
     text = [
-        "# Summary", "",
+        "# Summary",
+        "",
         f"{len(rows)} rows: {len({r['example_id'] for r in rows})} prompts from {len(questions)} questions, "
         f"methods {', '.join(method_order(rows))}. Means with 95% bootstrap intervals. Answer metrics are "
         "against the gold answers (citation markers removed); 'F1 - full F1' is the paired difference on "
         "the same prompts (an interval that excludes 0 is a measurable change); 'same as full', 'F1 vs full' "
         "and 'hit rate' measure fidelity to the full cache's greedy answer and decode attention. KV MB is "
-        "the kept prompt cache per prompt; budget is tokens kept per layer.", "",
+        "the kept prompt cache per prompt; budget is tokens kept per layer.",
+        "",
         *(line for note in data_notes(out, rows) for line in (note, "")),
-        "## By dataset and method (all N and positions)", "", markdown_table(overall, ("dataset", "method")), "",
-        *(["## Paired against SnapKV at the same budget (all N and positions)", "",
-            "Each method's fidelity minus SnapKV's on the same prompts at the same budget; an interval above 0 "
-            "keeps the full cache's answer measurably more often than SnapKV. KV MB shows what each keeps.", "",
-            markdown_table([r for r in overall if "same_minus_snapkv" in r], ("dataset", "method"), AGAINST_SNAPKV),
-            ""] if any("same_minus_snapkv" in r for r in rows) else []),
-        "## By dataset, N and method (all gold positions)", "", markdown_table(by_n, ("dataset", "num_docs", "method")),
-        "", "## By dataset, gold position and method (all N)", "",
-        markdown_table(by_position, ("dataset", "gold_position", "method")), "",
-        "## Every cell: dataset x N x gold position x method", "",
-        markdown_table(cells, ("dataset", "num_docs", "gold_position", "method")), "",
+        "## By dataset and method (all N and positions)",
+        "",
+        markdown_table(overall, ("dataset", "method")),
+        "",
+        *(
+            [
+                "## Paired against SnapKV at the same budget (all N and positions)",
+                "",
+                "Each method's fidelity minus SnapKV's on the same prompts at the same budget; an interval above 0 "
+                "keeps the full cache's answer measurably more often than SnapKV. KV MB shows what each keeps.",
+                "",
+                markdown_table([r for r in overall if "same_minus_snapkv" in r], ("dataset", "method"), AGAINST_SNAPKV),
+                "",
+            ]
+            if any("same_minus_snapkv" in r for r in rows)
+            else []
+        ),
+        "## By dataset, N and method (all gold positions)",
+        "",
+        markdown_table(by_n, ("dataset", "num_docs", "method")),
+        "",
+        "## By dataset, gold position and method (all N)",
+        "",
+        markdown_table(by_position, ("dataset", "gold_position", "method")),
+        "",
+        "## Every cell: dataset x N x gold position x method",
+        "",
+        markdown_table(cells, ("dataset", "num_docs", "gold_position", "method")),
+        "",
     ]
     (out / "summary.md").write_text("\n".join(text))
     from .plots import plot_all
+
     plot_all(rows, by_n, cells, out / "plots")

@@ -21,8 +21,8 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .datasets import nq_examples
 from .metrics import answer_scores, citation_scores, fidelity_scores
@@ -31,11 +31,23 @@ from .report import append_rows, bootstrap_ci, finished
 
 def example_rows(llm, example, shares: Sequence[float], max_new_tokens: int) -> list[dict]:
     """The full prefill's row and one row per recompute share for one question."""
+
     def row(method, share, result, reference, **extra):
-        return {"id": example.question_id, "question": example.question, "method": method, "recompute": share,
-                "text": result.text, "prompt_tokens": result.usage.prompt_tokens, "prefill_s": result.timings.prefill_s,
-                "cached_tokens": result.usage.cached_tokens, **fidelity_scores(result.text, reference),
-                **answer_scores(result.text, example.answers), **citation_scores(result.citations, example.gold), **extra}
+        return {
+            "id": example.question_id,
+            "question": example.question,
+            "method": method,
+            "recompute": share,
+            "text": result.text,
+            "prompt_tokens": result.usage.prompt_tokens,
+            "prefill_s": result.timings.prefill_s,
+            "cached_tokens": result.usage.cached_tokens,
+            **fidelity_scores(result.text, reference),
+            **answer_scores(result.text, example.answers),
+            **citation_scores(result.citations, example.gold),
+            **extra,
+        }
+
     full = llm.generate(example.question, example.documents, snapkv=False, max_new_tokens=max_new_tokens)
     rows = [row("full", None, full, full.text)]
     for share in shares:
@@ -58,8 +70,11 @@ def run(llm, examples, shares: Sequence[float], out: Path, max_new_tokens: int, 
         rows = example_rows(llm, example, shares, max_new_tokens)
         append_rows(path, rows)
         if progress:
-            print(f"question {n + 1}/{len(examples)}: full prefill {rows[0]['prefill_s']:.2f} s, stitched "
-                  + ", ".join(f"{r['recompute']:.2f}: {r['prefill_s']:.2f} s" for r in rows[1:]), flush=True)
+            print(
+                f"question {n + 1}/{len(examples)}: full prefill {rows[0]['prefill_s']:.2f} s, stitched "
+                + ", ".join(f"{r['recompute']:.2f}: {r['prefill_s']:.2f} s" for r in rows[1:]),
+                flush=True,
+            )
     return path
 
 
@@ -81,20 +96,29 @@ def first_token_rows(llm, examples, shares: Sequence[float], out: Path, progress
             row[f"top1@{share}"] = float(int(full.argmax()) == int(stitched.argmax()))
         append_rows(path, [row])
         if progress:
-            print(f"question {n + 1}/{len(examples)}: " + ", ".join(f"{s:.2f}: KL {row[f'kl@{s}']:.3f}" for s in shares),
-                  flush=True)
+            print(
+                f"question {n + 1}/{len(examples)}: " + ", ".join(f"{s:.2f}: KL {row[f'kl@{s}']:.3f}" for s in shares),
+                flush=True,
+            )
     return path
 
 
 def first_token_markdown(rows: Sequence[dict], shares: Sequence[float]) -> str:
-    lines = ["| recompute | n | KL(full || stitched), mean [95%] | median | top token as full's [95%] |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| recompute | n | KL(full || stitched), mean [95%] | median | top token as full's [95%] |",
+        "|---|---|---|---|---|",
+    ]
     for share in shares:
-        kl, top = [r[f"kl@{share}"] for r in rows if f"kl@{share}" in r], [r[f"top1@{share}"] for r in rows if f"top1@{share}" in r]
+        kl, top = (
+            [r[f"kl@{share}"] for r in rows if f"kl@{share}" in r],
+            [r[f"top1@{share}"] for r in rows if f"top1@{share}" in r],
+        )
         if kl:
             (lo, hi), (tlo, thi) = bootstrap_ci(kl), bootstrap_ci(top)
-            lines.append(f"| {share:.0%} | {len(kl)} | {statistics.mean(kl):.3f} [{lo:.3f}, {hi:.3f}] | "
-                         f"{statistics.median(kl):.3f} | {statistics.mean(top):.2f} [{tlo:.2f}, {thi:.2f}] |")
+            lines.append(
+                f"| {share:.0%} | {len(kl)} | {statistics.mean(kl):.3f} [{lo:.3f}, {hi:.3f}] | "
+                f"{statistics.median(kl):.3f} | {statistics.mean(top):.2f} [{tlo:.2f}, {thi:.2f}] |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -108,26 +132,40 @@ def summarise(rows: Sequence[dict]) -> list[dict]:
         cell = [r for r in rows if r["method"] == "stitched" and r["recompute"] == share and r["id"] in full]
         same = [r["identical_to_full"] for r in cell]
         delta = [r["f1"] - full[r["id"]]["f1"] for r in cell]
-        out.append({"recompute": share, "n": len(cell), "identical_to_full": statistics.mean(same),
-                    "identical_ci": bootstrap_ci(same), "f1_vs_full": statistics.mean(r["f1_vs_full"] for r in cell),
-                    "f1": statistics.mean(r["f1"] for r in cell), "full_f1": statistics.mean(full[r["id"]]["f1"] for r in cell),
-                    "f1_delta": statistics.mean(delta), "f1_delta_ci": bootstrap_ci(delta),
-                    "cit_f1": statistics.mean(r["cit_f1"] for r in cell),
-                    "full_cit_f1": statistics.mean(full[r["id"]]["cit_f1"] for r in cell),
-                    "reused_share": statistics.mean(r["cached_tokens"] / r["prompt_tokens"] for r in cell),
-                    "speedup": statistics.median(full[r["id"]]["prefill_s"] / r["prefill_s"] for r in cell)})
+        out.append(
+            {
+                "recompute": share,
+                "n": len(cell),
+                "identical_to_full": statistics.mean(same),
+                "identical_ci": bootstrap_ci(same),
+                "f1_vs_full": statistics.mean(r["f1_vs_full"] for r in cell),
+                "f1": statistics.mean(r["f1"] for r in cell),
+                "full_f1": statistics.mean(full[r["id"]]["f1"] for r in cell),
+                "f1_delta": statistics.mean(delta),
+                "f1_delta_ci": bootstrap_ci(delta),
+                "cit_f1": statistics.mean(r["cit_f1"] for r in cell),
+                "full_cit_f1": statistics.mean(full[r["id"]]["cit_f1"] for r in cell),
+                "reused_share": statistics.mean(r["cached_tokens"] / r["prompt_tokens"] for r in cell),
+                "speedup": statistics.median(full[r["id"]]["prefill_s"] / r["prefill_s"] for r in cell),
+            }
+        )
     return out
 
 
 def markdown(records: Sequence[dict]) -> str:
-    lines = ["| recompute | n | tokens reused | identical to full [95%] | F1 vs full | answer F1 (full) | "
-             "answer F1 - full [95%] | citation F1 (full) | prefill speed-up (median) |", "|" + "---|" * 9]
+    lines = [
+        "| recompute | n | tokens reused | identical to full [95%] | F1 vs full | answer F1 (full) | "
+        "answer F1 - full [95%] | citation F1 (full) | prefill speed-up (median) |",
+        "|" + "---|" * 9,
+    ]
     for r in records:
         (lo, hi), (dlo, dhi) = r["identical_ci"], r["f1_delta_ci"]
-        lines.append(f"| {r['recompute']:.0%} | {r['n']} | {r['reused_share']:.0%} | {r['identical_to_full']:.2f} "
-                     f"[{lo:.2f}, {hi:.2f}] | {r['f1_vs_full']:.2f} | {r['f1']:.3f} ({r['full_f1']:.3f}) | "
-                     f"{r['f1_delta']:+.3f} [{dlo:+.3f}, {dhi:+.3f}] | {r['cit_f1']:.2f} ({r['full_cit_f1']:.2f}) | "
-                     f"{r['speedup']:.1f}x |")
+        lines.append(
+            f"| {r['recompute']:.0%} | {r['n']} | {r['reused_share']:.0%} | {r['identical_to_full']:.2f} "
+            f"[{lo:.2f}, {hi:.2f}] | {r['f1_vs_full']:.2f} | {r['f1']:.3f} ({r['full_f1']:.3f}) | "
+            f"{r['f1_delta']:+.3f} [{dlo:+.3f}, {dhi:+.3f}] | {r['cit_f1']:.2f} ({r['full_cit_f1']:.2f}) | "
+            f"{r['speedup']:.1f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -140,8 +178,12 @@ def main(argv: list[str] | None = None, engine=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="default: the embedded model")
     p.add_argument("--out", type=Path, default=Path("evals/results/stitch"))
-    p.add_argument("--first-token", action="store_true", help="instead: the next-token KL against a full prefill, "
-                   "per recompute share (first_token.jsonl, first_token.md)")
+    p.add_argument(
+        "--first-token",
+        action="store_true",
+        help="instead: the next-token KL against a full prefill, "
+        "per recompute share (first_token.jsonl, first_token.md)",
+    )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     shares = [float(s) for s in args.recompute.split(",")]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from .datasets import Example, _load_json
 
@@ -30,10 +30,14 @@ Counter = Callable[[str, list], int]  # (question, documents) -> prompt tokens, 
 NEEDLE = "The special magic number is {number}."
 NEEDLE_QUESTION = "What is the special magic number mentioned in the document?"
 LINES_QUESTION = "What is the <REGISTER_CONTENT> in line {name}?"
-_ADJECTIVES = ("amber brave calm dusty eager fancy gentle hollow icy jolly keen lucky misty noble odd proud quiet "
-               "rapid shy tidy upbeat vivid witty young zesty bold crisp damp faint grand").split()
-_NOUNS = ("ant badger camel dingo eagle ferret gecko heron ibis jackal koala lemur moose newt otter panda quail "
-          "raven seal tapir urchin viper walrus yak zebra bison crane dove finch goose").split()
+_ADJECTIVES = (
+    "amber brave calm dusty eager fancy gentle hollow icy jolly keen lucky misty noble odd proud quiet "
+    "rapid shy tidy upbeat vivid witty young zesty bold crisp damp faint grand"
+).split()
+_NOUNS = (
+    "ant badger camel dingo eagle ferret gecko heron ibis jackal koala lemur moose newt otter panda quail "
+    "raven seal tapir urchin viper walrus yak zebra bison crane dove finch goose"
+).split()
 
 
 def depth_label(depth: int) -> str:
@@ -68,8 +72,9 @@ def _haystack(sentences: Sequence[str], needle: str, depth: int) -> str:
     return " ".join([*sentences[:at], needle, *sentences[at:]])
 
 
-def needle_examples(num_questions: int, lengths: Sequence[int], depths: Sequence[int], seed: int,
-                    count: Counter) -> list[Example]:
+def needle_examples(
+    num_questions: int, lengths: Sequence[int], depths: Sequence[int], seed: int, count: Counter
+) -> list[Example]:
     out = []
     for q in range(num_questions):
         rng = random.Random(f"{seed}-needle-{q}")
@@ -88,11 +93,24 @@ def needle_examples(num_questions: int, lengths: Sequence[int], depths: Sequence
                     else:
                         hi = mid - 1
                 if lo == 0:
-                    raise ValueError(f"--num-docs needle={length}: a prompt of {length} tokens cannot hold the "
-                                     f"question and the needle; use a longer length")
+                    raise ValueError(
+                        f"--num-docs needle={length}: a prompt of {length} tokens cannot hold the "
+                        f"question and the needle; use a longer length"
+                    )
                 doc = {"title": None, "text": _haystack(sentences[:lo], needle, depth)}
-                out.append(Example(f"needle-{q}-n{length}-{depth_label(depth)}", "needle", str(q), NEEDLE_QUESTION,
-                                   (number,), (doc,), (), length, depth_label(depth)))
+                out.append(
+                    Example(
+                        f"needle-{q}-n{length}-{depth_label(depth)}",
+                        "needle",
+                        str(q),
+                        NEEDLE_QUESTION,
+                        (number,),
+                        (doc,),
+                        (),
+                        length,
+                        depth_label(depth),
+                    )
+                )
     return out
 
 
@@ -109,14 +127,30 @@ def lines_examples(num_questions: int, num_lines: Sequence[int], depths: Sequenc
             text = "\n".join(f"line {name}: REGISTER_CONTENT is <{value}>" for name, value in zip(chosen[:n], values))
             for depth in depths:
                 k = round(depth / 100 * (n - 1))
-                out.append(Example(f"lines-{q}-n{n}-{depth_label(depth)}", "lines", str(q),
-                                   LINES_QUESTION.format(name=chosen[k]), (str(values[k]),),
-                                   ({"title": None, "text": text},), (), n, depth_label(depth)))
+                out.append(
+                    Example(
+                        f"lines-{q}-n{n}-{depth_label(depth)}",
+                        "lines",
+                        str(q),
+                        LINES_QUESTION.format(name=chosen[k]),
+                        (str(values[k]),),
+                        ({"title": None, "text": text},),
+                        (),
+                        n,
+                        depth_label(depth),
+                    )
+                )
     return out
 
 
-def build(dataset: str, num_questions: int, sizes: Sequence[int], depths: Sequence[int], seed: int,
-          count: Counter | None = None) -> list[Example]:
+def build(
+    dataset: str,
+    num_questions: int,
+    sizes: Sequence[int],
+    depths: Sequence[int],
+    seed: int,
+    count: Counter | None = None,
+) -> list[Example]:
     """``needle`` (sizes: prompt tokens; needs ``count``) or ``lines`` (sizes: number of lines)."""
     if num_questions < 1:
         raise ValueError(f"--num-questions: must be >= 1, got {num_questions}")

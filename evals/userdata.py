@@ -26,9 +26,10 @@ positions are the ones given (position label ``given``).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .datasets import DATASETS, Example
 
@@ -64,8 +65,10 @@ def _is_text(value: Any) -> bool:
 
 def _documents(value: Any, where: str) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: field 'documents': expected a non-empty list of strings or "
-                        f"{{'title', 'text'}} objects, got {_show(value)}")
+        raise DataError(
+            f"{where}: field 'documents': expected a non-empty list of strings or "
+            f"{{'title', 'text'}} objects, got {_show(value)}"
+        )
     docs = []
     for i, doc in enumerate(value, start=1):
         if isinstance(doc, str):
@@ -74,15 +77,17 @@ def _documents(value: Any, where: str) -> list[dict]:
             docs.append({"title": None, "text": doc})
         elif isinstance(doc, dict):
             if not _is_text(doc.get("text")):
-                raise DataError(f"{where}: field 'documents[{i}].text': expected a non-empty string, "
-                                f"got {_show(doc.get('text'))}")
+                raise DataError(
+                    f"{where}: field 'documents[{i}].text': expected a non-empty string, got {_show(doc.get('text'))}"
+                )
             title = doc.get("title")
             if title is not None and not isinstance(title, str):
                 raise DataError(f"{where}: field 'documents[{i}].title': expected a string or null, got {_show(title)}")
             docs.append({"title": title, "text": doc["text"]})
         else:
-            raise DataError(f"{where}: field 'documents[{i}]': expected a string or an object with 'text', "
-                            f"got {_show(doc)}")
+            raise DataError(
+                f"{where}: field 'documents[{i}]': expected a string or an object with 'text', got {_show(doc)}"
+            )
     return docs
 
 
@@ -99,19 +104,25 @@ def parse_record(record: Any, where: str, num_docs: int | None) -> tuple[str | N
         raise DataError(f"{where}: field 'question': expected a non-empty string, got {_show(record.get('question'))}")
     answers = record.get("answers")
     if not isinstance(answers, list) or not answers or not all(_is_text(a) for a in answers):
-        raise DataError(f"{where}: field 'answers': expected a non-empty list of non-empty strings, "
-                        f"got {_show(answers)}")
+        raise DataError(
+            f"{where}: field 'answers': expected a non-empty list of non-empty strings, got {_show(answers)}"
+        )
     docs = _documents(record.get("documents"), where)
     gold = record.get("gold")
     if gold is not None:
-        if (not isinstance(gold, list) or not gold
-                or not all(isinstance(g, int) and not isinstance(g, bool) for g in gold)):
-            raise DataError(f"{where}: field 'gold': expected a non-empty list of 1-based document numbers, "
-                            f"got {_show(gold)}")
+        if (
+            not isinstance(gold, list)
+            or not gold
+            or not all(isinstance(g, int) and not isinstance(g, bool) for g in gold)
+        ):
+            raise DataError(
+                f"{where}: field 'gold': expected a non-empty list of 1-based document numbers, got {_show(gold)}"
+            )
         bad = [g for g in gold if not 1 <= g <= len(docs)]
         if bad:
-            raise DataError(f"{where}: field 'gold': {bad} outside 1..{len(docs)} "
-                            f"(the record has {len(docs)} documents)")
+            raise DataError(
+                f"{where}: field 'gold': {bad} outside 1..{len(docs)} (the record has {len(docs)} documents)"
+            )
         gold = sorted(set(gold))
     rid = record.get("id")
     if rid is not None and not (isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid).strip()):
@@ -122,13 +133,23 @@ def parse_record(record: Any, where: str, num_docs: int | None) -> tuple[str | N
         docs = docs[:num_docs]
         if gold is not None:
             if not any(g <= num_docs for g in gold):
-                raise DataError(f"{where}: field 'gold': every gold document {gold} lies beyond the first "
-                                f"{num_docs} documents (--num-docs {num_docs})")
+                raise DataError(
+                    f"{where}: field 'gold': every gold document {gold} lies beyond the first "
+                    f"{num_docs} documents (--num-docs {num_docs})"
+                )
             gold = [g for g in gold if g <= num_docs]
     question_id = None if rid is None else str(rid)
-    example = Example(id="", dataset="", question_id=question_id or "", question=record["question"],
-                      answers=tuple(answers), documents=tuple(docs), gold=tuple(gold or ()), num_docs=len(docs),
-                      gold_position=POSITION)
+    example = Example(
+        id="",
+        dataset="",
+        question_id=question_id or "",
+        question=record["question"],
+        answers=tuple(answers),
+        documents=tuple(docs),
+        gold=tuple(gold or ()),
+        num_docs=len(docs),
+        gold_position=POSITION,
+    )
     return question_id, example
 
 
@@ -167,11 +188,23 @@ def load(path: str | Path, num_docs: Sequence[int] | None = None, skip_bad: bool
         seen[qid] = number
         data.without_gold += not built[0][1].gold
         for _, e in built:
-            data.examples.append(Example(f"{name}-{qid}-n{e.num_docs}", name, qid, e.question, e.answers, e.documents,
-                                         e.gold, e.num_docs, POSITION))
+            data.examples.append(
+                Example(
+                    f"{name}-{qid}-n{e.num_docs}",
+                    name,
+                    qid,
+                    e.question,
+                    e.answers,
+                    e.documents,
+                    e.gold,
+                    e.num_docs,
+                    POSITION,
+                )
+            )
     if not data.examples:
-        raise DataError(f"--data {path}: no usable records" + (f" ({len(data.skipped)} skipped as bad)"
-                                                                  if data.skipped else ""))
+        raise DataError(
+            f"--data {path}: no usable records" + (f" ({len(data.skipped)} skipped as bad)" if data.skipped else "")
+        )
     return data
 
 

@@ -10,8 +10,9 @@ budget. Prints both answers, the KV tokens kept per layer and decode ms/token.
 from __future__ import annotations
 
 from langchain_rag import build_retriever
-from langchain_snapkv import ChatSnapKV
 from rag_data import load_questions
+
+from langchain_snapkv import ChatSnapKV
 from snapkv_rag import SnapKVConfig, SnapKVLLM
 
 SETTINGS = {"full cache": False, "snapkv-128": SnapKVConfig(max_capacity_prompt=128, window_size=16)}
@@ -27,8 +28,10 @@ def main(engine: SnapKVLLM | None = None, questions: int = 2) -> None:
             answer = chat.invoke(item["question"], documents=documents, snapkv=snapkv)
             meta = answer.response_metadata
             kept, prompt = meta["compression"]["kept_tokens"][0], meta["compression"]["prompt_tokens"]
-            print(f"  {label:>10}: kept {kept}/{prompt} tokens, {meta['timings']['decode_ms_per_token']:.0f} ms/token, "
-                  f"citations {meta['citations']}: {answer.content.strip()!r}")
+            print(
+                f"  {label:>10}: kept {kept}/{prompt} tokens, {meta['timings']['decode_ms_per_token']:.0f} ms/token, "
+                f"citations {meta['citations']}: {answer.content.strip()!r}"
+            )
         print()
 
 

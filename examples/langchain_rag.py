@@ -13,15 +13,18 @@ from langchain_community.vectorstores import FAISS
 from langchain_core.documents import Document
 from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
 from langchain_huggingface import HuggingFaceEmbeddings
-from langchain_snapkv import ChatSnapKV, documents_message
 from rag_data import embedding_model_path, load_passages, load_questions
+
+from langchain_snapkv import ChatSnapKV, documents_message
 from snapkv_rag import SnapKVConfig, SnapKVLLM
 
 
 def build_retriever(k: int = 4):
     embeddings = HuggingFaceEmbeddings(model_name=embedding_model_path())
-    documents = [Document(page_content=p["text"], metadata={"title": p["title"], "source": p["source"]}, id=p["id"])
-                 for p in load_passages()]
+    documents = [
+        Document(page_content=p["text"], metadata={"title": p["title"], "source": p["source"]}, id=p["id"])
+        for p in load_passages()
+    ]
     return FAISS.from_documents(documents, embeddings).as_retriever(search_kwargs={"k": k})
 
 
@@ -32,16 +35,19 @@ def build_chain(chat: ChatSnapKV, retriever):
 
 
 def main(engine: SnapKVLLM | None = None, questions: int = 2) -> None:
-    chat = ChatSnapKV(engine=engine or SnapKVLLM(), max_new_tokens=32,
-                      snapkv=SnapKVConfig(max_capacity_prompt=128, window_size=16))
+    chat = ChatSnapKV(
+        engine=engine or SnapKVLLM(), max_new_tokens=32, snapkv=SnapKVConfig(max_capacity_prompt=128, window_size=16)
+    )
     chain = build_chain(chat, build_retriever())
     for item in load_questions()[:questions]:
         answer = chain.invoke(item["question"])
         meta = answer.response_metadata
         print(f"Q: {item['question']}  (gold: {item['answers'][0]})")
         print(f"A: {answer.content.strip()}")
-        print(f"   citations: {meta['citations']}  kept {meta['compression']['kept_tokens'][0]}"
-              f"/{meta['compression']['prompt_tokens']} prompt tokens per layer")
+        print(
+            f"   citations: {meta['citations']}  kept {meta['compression']['kept_tokens'][0]}"
+            f"/{meta['compression']['prompt_tokens']} prompt tokens per layer"
+        )
         for doc in meta["cited_documents"]:
             print(f"   [{doc['number']}] {doc['title']} ({doc['id']})")
         print()

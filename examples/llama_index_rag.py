@@ -11,22 +11,26 @@ from __future__ import annotations
 from llama_index.core import Document, Settings, VectorStoreIndex
 from llama_index.core.query_engine import CitationQueryEngine
 from llama_index.embeddings.huggingface import HuggingFaceEmbedding
-from llama_index.llms.snapkv import SnapKVLLM
 from rag_data import embedding_model_path, load_passages, load_questions
+
+from llama_index.llms.snapkv import SnapKVLLM
 from snapkv_rag import SnapKVConfig, parse_citations
 from snapkv_rag import SnapKVLLM as SnapKVEngine
 
 
 def build_index() -> VectorStoreIndex:
     Settings.embed_model = HuggingFaceEmbedding(model_name=embedding_model_path())
-    documents = [Document(text=p["text"], metadata={"title": p["title"]}, id_=p["id"],
-                          excluded_llm_metadata_keys=["title"]) for p in load_passages()]
+    documents = [
+        Document(text=p["text"], metadata={"title": p["title"]}, id_=p["id"], excluded_llm_metadata_keys=["title"])
+        for p in load_passages()
+    ]
     return VectorStoreIndex.from_documents(documents)
 
 
 def main(engine: SnapKVEngine | None = None, questions: int = 2) -> None:
-    Settings.llm = SnapKVLLM(engine=engine or SnapKVEngine(), max_new_tokens=32,
-                             snapkv=SnapKVConfig(max_capacity_prompt=128, window_size=16))
+    Settings.llm = SnapKVLLM(
+        engine=engine or SnapKVEngine(), max_new_tokens=32, snapkv=SnapKVConfig(max_capacity_prompt=128, window_size=16)
+    )
     query_engine = CitationQueryEngine.from_args(build_index(), similarity_top_k=3, citation_chunk_size=256)
     for item in load_questions()[:questions]:
         response = query_engine.query(item["question"])

@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
-from langchain_snapkv import ChatSnapKV, documents_message
 from langchain_rag import build_retriever
 from pydantic import BaseModel, Field
 from rag_data import load_questions
+
+from langchain_snapkv import ChatSnapKV, documents_message
 from snapkv_rag import SnapKVConfig, SnapKVLLM
 
 K = 4  # documents retrieved per question
@@ -28,7 +29,8 @@ class CitedAnswer(BaseModel):
 
     answer: str = Field(max_length=100, description="A short answer, based only on the documents.")
     citations: list[Annotated[int, Field(ge=1, le=K)]] = Field(
-        min_length=1, max_length=K, description="The numbers of the documents that support the answer.")
+        min_length=1, max_length=K, description="The numbers of the documents that support the answer."
+    )
 
 
 def build_chain(chat: ChatSnapKV, retriever):
@@ -36,12 +38,14 @@ def build_chain(chat: ChatSnapKV, retriever):
     structured = chat.with_structured_output(CitedAnswer)
     ask = RunnableLambda(lambda x: [documents_message(x["question"], x["documents"])]) | structured
     return RunnableParallel(question=RunnablePassthrough(), documents=retriever) | RunnablePassthrough.assign(
-        answer=ask)
+        answer=ask
+    )
 
 
 def main(engine: SnapKVLLM | None = None, questions: int = 2) -> None:
-    chat = ChatSnapKV(engine=engine or SnapKVLLM(), max_new_tokens=96,
-                      snapkv=SnapKVConfig(max_capacity_prompt=128, window_size=16))
+    chat = ChatSnapKV(
+        engine=engine or SnapKVLLM(), max_new_tokens=96, snapkv=SnapKVConfig(max_capacity_prompt=128, window_size=16)
+    )
     chain = build_chain(chat, build_retriever(k=K))
     for item in load_questions()[:questions]:
         out = chain.invoke(item["question"])

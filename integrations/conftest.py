@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
 from snapkv_rag import SnapKVLLM
 from snapkv_rag.models.loading import default_model_dir
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 
 def tiny_model_and_tokenizer() -> tuple[LlamaForCausalLM, object]:
     """A fresh tiny random-weight Llama (seeded) and the embedded model's tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config), tokenizer
 

@@ -34,11 +34,13 @@ def main() -> None:
     same = [fidelity_scores(other[k]["text"], reference[k]["text"]) for k in shared]
     n = len(shared)
     identical = sum(s["identical_to_full"] for s in same)
-    print(f"{n} prompts in both runs: identical answers {identical:.0f}/{n} ({identical / n:.0%}), token F1 between "
-          f"answers {sum(s['f1_vs_full'] for s in same) / n:.3f}; answer F1 reference "
-          f"{sum(reference[k]['f1'] for k in shared) / n:.3f}, other {sum(other[k]['f1'] for k in shared) / n:.3f}; "
-          f"prefill s reference {sum(reference[k]['prefill_s'] for k in shared) / n:.2f}, "
-          f"other {sum(other[k]['prefill_s'] for k in shared) / n:.2f}")
+    print(
+        f"{n} prompts in both runs: identical answers {identical:.0f}/{n} ({identical / n:.0%}), token F1 between "
+        f"answers {sum(s['f1_vs_full'] for s in same) / n:.3f}; answer F1 reference "
+        f"{sum(reference[k]['f1'] for k in shared) / n:.3f}, other {sum(other[k]['f1'] for k in shared) / n:.3f}; "
+        f"prefill s reference {sum(reference[k]['prefill_s'] for k in shared) / n:.2f}, "
+        f"other {sum(other[k]['prefill_s'] for k in shared) / n:.2f}"
+    )
 
 
 if __name__ == "__main__":

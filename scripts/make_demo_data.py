@@ -35,13 +35,15 @@ def candidates(data_dir: Path):
     for index in rng.sample(range(len(rows)), CANDIDATES):
         row = rows[index]
         answers = [normalise(a) for a in row["answers"]]
-        pool = [r["ctxs"][0] for r in rows if r is not row
-                and not any(a and a in normalise(r["ctxs"][0]["text"]) for a in answers)]
+        pool = [
+            r["ctxs"][0]
+            for r in rows
+            if r is not row and not any(a and a in normalise(r["ctxs"][0]["text"]) for a in answers)
+        ]
         docs = [{"title": c["title"], "text": c["text"]} for c in rng.sample(pool, NUM_DOCS - 1)]
         gold_at = NUM_DOCS // 2
         docs.insert(gold_at, {"title": row["ctxs"][0]["title"], "text": row["ctxs"][0]["text"]})
-        yield {"question": row["question"], "answers": row["answers"], "gold_document": gold_at + 1,
-               "documents": docs}
+        yield {"question": row["question"], "answers": row["answers"], "gold_document": gold_at + 1, "documents": docs}
 
 
 def main() -> None:

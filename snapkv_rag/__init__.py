@@ -16,15 +16,28 @@ except metadata.PackageNotFoundError:  # run from a source tree that was never i
     __version__ = "0+unknown"
 
 _WHERE = {
-    "SnapKVLLM": "engine", "ContextLengthError": "engine", "GenerationOutOfMemoryError": "engine",
-    "SnapKVConfig": "methods", "PyramidKVConfig": "methods", "StreamingLLMConfig": "methods",
-    "H2OConfig": "methods", "RandomConfig": "methods", "DocSnapKVConfig": "methods", "AdaSnapKVConfig": "methods",
+    "SnapKVLLM": "engine",
+    "ContextLengthError": "engine",
+    "GenerationOutOfMemoryError": "engine",
+    "SnapKVConfig": "methods",
+    "PyramidKVConfig": "methods",
+    "StreamingLLMConfig": "methods",
+    "H2OConfig": "methods",
+    "RandomConfig": "methods",
+    "DocSnapKVConfig": "methods",
+    "AdaSnapKVConfig": "methods",
     "LookaheadSnapKVConfig": "methods",
-    "KeyNormConfig": "methods", "KVzipConfig": "methods",
+    "KeyNormConfig": "methods",
+    "KVzipConfig": "methods",
     "PromptSpans": "config",
-    "Document": "request.prompts", "parse_citations": "request.prompts",
-    "GenerationResult": "request.results", "CompressionStats": "request.results", "Timings": "request.results", "Usage": "request.results",
-    "ModelLoadError": "models.loading", "SchemaError": "request.structured",
+    "Document": "request.prompts",
+    "parse_citations": "request.prompts",
+    "GenerationResult": "request.results",
+    "CompressionStats": "request.results",
+    "Timings": "request.results",
+    "Usage": "request.results",
+    "ModelLoadError": "models.loading",
+    "SchemaError": "request.structured",
 }
 __all__ = list(_WHERE)
 
@@ -43,8 +56,19 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from .config import PromptSpans
-    from .methods import AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
     from .engine import ContextLengthError, GenerationOutOfMemoryError, SnapKVLLM
+    from .methods import (
+        AdaSnapKVConfig,
+        DocSnapKVConfig,
+        H2OConfig,
+        KeyNormConfig,
+        KVzipConfig,
+        LookaheadSnapKVConfig,
+        PyramidKVConfig,
+        RandomConfig,
+        SnapKVConfig,
+        StreamingLLMConfig,
+    )
     from .models.loading import ModelLoadError
     from .request.prompts import Document, parse_citations
     from .request.results import CompressionStats, GenerationResult, Timings, Usage

@@ -16,9 +16,16 @@ from .server import options as serve_options
 
 DEMO_FILE = Path(__file__).with_name("data") / "demo.jsonl"
 # the engine's and the configs' field names, as the flags that set them
-FLAGS = {"max_capacity_prompt": "--budget", "window_size": "--window", "kernel_size": "--kernel",
-         "pooling": "--pooling", "max_new_tokens": "--max-new-tokens", "device": "--device", "dtype": "--dtype",
-         "model": "--model"}
+FLAGS = {
+    "max_capacity_prompt": "--budget",
+    "window_size": "--window",
+    "kernel_size": "--kernel",
+    "pooling": "--pooling",
+    "max_new_tokens": "--max-new-tokens",
+    "device": "--device",
+    "dtype": "--dtype",
+    "model": "--model",
+}
 CLI_METHODS = tuple(names_with("window_size", "kernel_size", "pooling"))
 """The methods --method offers: those the --window / --kernel / --pooling flags apply to."""
 COMPRESSION_DEFAULTS = {"method": "snapkv", "budget": 1024, "window": 32, "kernel": 7, "pooling": "max"}
@@ -32,8 +39,11 @@ class UsageError(Exception):
 def in_flag_words(message: str) -> str:
     """``max_capacity_prompt: must be ... window_size=32`` -> ``--budget: must be ... --window 32``."""
     for field_name, flag in FLAGS.items():
-        message = re.sub(rf"\b{field_name}=(?:'([^']*)'|(\S+?))(?=[,;:)\s]|$)",
-                         lambda m, f=flag: f"{f} {m.group(1) or m.group(2)}", message)
+        message = re.sub(
+            rf"\b{field_name}=(?:'([^']*)'|(\S+?))(?=[,;:)\s]|$)",
+            lambda m, f=flag: f"{f} {m.group(1) or m.group(2)}",
+            message,
+        )
         message = re.sub(rf"(^|\s){field_name}:", rf"\1{flag}:", message)
     return message
 
@@ -79,15 +89,23 @@ def _engine(args, snapkv, **engine_options):
     from .engine import SnapKVLLM
 
     log.info("loading %s", args.model or "the embedded default model")
-    llm = SnapKVLLM(model=args.model, device=args.device, dtype=args.dtype, snapkv=snapkv,
-                    max_new_tokens=args.max_new_tokens, **engine_options)
+    llm = SnapKVLLM(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        snapkv=snapkv,
+        max_new_tokens=args.max_new_tokens,
+        **engine_options,
+    )
     context = getattr(llm.model.config, "max_position_embeddings", None)
     budgets = [c.max_capacity_prompt for c in ([snapkv] if snapkv else [])] + list(getattr(args, "budgets", []))
     too_big = [b for b in budgets if context and isinstance(b, int) and b > context]
     if too_big:
-        raise UsageError(f"--budget{'s' if hasattr(args, 'budgets') else ''} {too_big[0]}: larger than the model's "
-                         f"context window ({context} tokens), so nothing would ever be dropped; use --full to keep "
-                         f"the whole cache")
+        raise UsageError(
+            f"--budget{'s' if hasattr(args, 'budgets') else ''} {too_big[0]}: larger than the model's "
+            f"context window ({context} tokens), so nothing would ever be dropped; use --full to keep "
+            f"the whole cache"
+        )
     return llm
 
 
@@ -109,8 +127,9 @@ def budget_value(text: str) -> int | float:
             return share
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text}: expected a number of tokens (512) or a share of the prompt "
-                                         f"(50%)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text}: expected a number of tokens (512) or a share of the prompt (50%)"
+        ) from None
 
 
 def _snapkv(budget: int | float, settings: dict) -> SnapKVConfig:
@@ -154,9 +173,11 @@ def cmd_ask(args) -> int:
         print("(no document cited)")
     print()
     within = " (the prompt fits the budget: nothing dropped)" if c.method != "full" and c.ratio == 1.0 else ""
-    print(f"{c.method}: kept {c.kept_tokens[0]} of {c.prompt_tokens} prompt tokens per layer{within}, KV cache "
-          f"{_mib(c.kv_bytes_kept)} of {_mib(c.kv_bytes_full)}, selection {c.selection_ms:.0f} ms, prefill "
-          f"{result.timings.prefill_s:.2f} s, decode {result.timings.decode_ms_per_token:.1f} ms/token")
+    print(
+        f"{c.method}: kept {c.kept_tokens[0]} of {c.prompt_tokens} prompt tokens per layer{within}, KV cache "
+        f"{_mib(c.kv_bytes_kept)} of {_mib(c.kv_bytes_full)}, selection {c.selection_ms:.0f} ms, prefill "
+        f"{result.timings.prefill_s:.2f} s, decode {result.timings.decode_ms_per_token:.1f} ms/token"
+    )
     return 0
 
 
@@ -166,29 +187,35 @@ def cmd_demo(args) -> int:
         raise UsageError(f"--questions {args.questions}: must be at least 1")
     if args.questions > len(records):
         _note(f"--questions {args.questions}: the demo bundles {len(records)}; showing all of them")
-    records = records[:args.questions]
+    records = records[: args.questions]
     settings = _compression(args)
     if settings["budget"] != COMPRESSION_DEFAULTS["budget"]:
         _note("demo: --budget is ignored; --budgets sets the budgets shown beside the full cache")
-    configs = {f"SnapKV@{b:.0%}" if isinstance(b, float) else f"SnapKV@{b}": _snapkv(b, settings)
-               for b in args.budgets}
+    configs = {f"SnapKV@{b:.0%}" if isinstance(b, float) else f"SnapKV@{b}": _snapkv(b, settings) for b in args.budgets}
     llm = _engine(args, None)
-    print(f"model {llm.model_name}; SnapKV window {settings['window']}, kernel {settings['kernel']}, "
-          f"{settings['pooling']} pooling; "
-          f"one shared prefill per question, then each cache decoded in turn\n")
+    print(
+        f"model {llm.model_name}; SnapKV window {settings['window']}, kernel {settings['kernel']}, "
+        f"{settings['pooling']} pooling; "
+        f"one shared prefill per question, then each cache decoded in turn\n"
+    )
     for record in records:
-        both = llm.compare(record["question"], record["documents"], methods={"full cache": None, **configs},
-                           hit_rate=False)
-        print(f"Q: {record['question']}\n   gold answer: {' / '.join(record['answers'])}; in document "
-              f"[{record['gold_document']}] of {len(record['documents'])}")
+        both = llm.compare(
+            record["question"], record["documents"], methods={"full cache": None, **configs}, hit_rate=False
+        )
+        print(
+            f"Q: {record['question']}\n   gold answer: {' / '.join(record['answers'])}; in document "
+            f"[{record['gold_document']}] of {len(record['documents'])}"
+        )
         full = both.results["full cache"]
         for name, result in both.results.items():
             c = result.compression
             speedup = full.timings.decode_ms_per_token / max(result.timings.decode_ms_per_token, 1e-9)
-            print(f"  {name:<12} {result.text.strip()!r}\n"
-                  f"{'':15}kept {c.kept_tokens[0]}/{c.prompt_tokens} tokens per layer, KV cache "
-                  f"{_mib(c.kv_bytes_kept)} of {_mib(c.kv_bytes_full)}, decode "
-                  f"{result.timings.decode_ms_per_token:.1f} ms/token ({speedup:.2f}x the full cache's speed)")
+            print(
+                f"  {name:<12} {result.text.strip()!r}\n"
+                f"{'':15}kept {c.kept_tokens[0]}/{c.prompt_tokens} tokens per layer, KV cache "
+                f"{_mib(c.kv_bytes_kept)} of {_mib(c.kv_bytes_full)}, decode "
+                f"{result.timings.decode_ms_per_token:.1f} ms/token ({speedup:.2f}x the full cache's speed)"
+            )
         print(f"  prefill (shared): {both.prefill_s:.2f} s\n")
     return 0
 
@@ -204,12 +231,24 @@ def cmd_serve(args) -> int:
         from .server import replicas
 
         _check_new_tokens(args)
-        engine = {"model": args.model, "device": args.device, "dtype": args.dtype, "snapkv": config,
-                  "max_new_tokens": args.max_new_tokens, "max_batch": args.max_batch,
-                  "prefix_cache_bytes": args.prefix_cache_bytes, "doc_store_bytes": args.doc_store_bytes}
+        engine = {
+            "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "snapkv": config,
+            "max_new_tokens": args.max_new_tokens,
+            "max_batch": args.max_batch,
+            "prefix_cache_bytes": args.prefix_cache_bytes,
+            "doc_store_bytes": args.doc_store_bytes,
+        }
         return replicas.run(engine, serve_options.settings(args, key, DEFAULT_MODEL_NAME, config, base), args)
-    llm = _engine(args, config, max_batch=args.max_batch, prefix_cache_bytes=args.prefix_cache_bytes,
-                  doc_store_bytes=args.doc_store_bytes)
+    llm = _engine(
+        args,
+        config,
+        max_batch=args.max_batch,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        doc_store_bytes=args.doc_store_bytes,
+    )
     return serve_options.run(llm, serve_options.settings(args, key, llm.model_name, config, base), args)
 
 
@@ -222,54 +261,88 @@ def cmd_eval(argv: list[str]) -> int:
     try:
         from evals.__main__ import main as evals_main
     except ImportError as error:
-        raise SystemExit(f"snapkv-rag: error: eval: the eval suite (evals/) comes with the source repository, "
-                         f"which this installation does not include ({error})") from error
+        raise SystemExit(
+            f"snapkv-rag: error: eval: the eval suite (evals/) comes with the source repository, "
+            f"which this installation does not include ({error})"
+        ) from error
     return evals_main(argv, prog="snapkv-rag eval")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snapkv-rag", description="Ask a question over your files with a "
-                                     "SnapKV-compressed KV cache, or run the bundled side-by-side demo.")
+    parser = argparse.ArgumentParser(
+        prog="snapkv-rag",
+        description="Ask a question over your files with a "
+        "SnapKV-compressed KV cache, or run the bundled side-by-side demo.",
+    )
     common = argparse.ArgumentParser(add_help=False)
     talk = common.add_mutually_exclusive_group()
-    talk.add_argument("-v", "--verbose", action="store_true", help="progress of loading and generation, and "
-                      "transformers' own messages")
+    talk.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="progress of loading and generation, and transformers' own messages",
+    )
     talk.add_argument("-q", "--quiet", action="store_true", help="errors only: no notes or warnings")
-    common.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
+    common.add_argument(
+        "--model", default=None, help="model folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)"
+    )
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    common.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on GPU, "
-                        "float32 on CPU)")
-    common.add_argument("--budget", type=budget_value, default=None, help="prompt tokens kept per layer and KV "
-                        "head (512), or a share of each prompt (50%%, never below 128 tokens); default 1024 tokens")
-    common.add_argument("--method", default=None, choices=CLI_METHODS,
-                        help="snapkv; docsnapkv: document-aware SnapKV (keeps the instruction and question, shares "
-                        "the budget between the documents by the votes they get); adasnapkv: head-adaptive SnapKV (the layer's budget "
-                        "shared between its heads by vote); lookahead: head-adaptive SnapKV whose votes also come from the first "
-                        "8 tokens of the answer, drafted over the full cache first (the best kept answers at small budgets, "
-                        "at most 8 more passes' cost); keynorm: the shortest keys, "
-                        "whatever the question; kvzip: what the model attends to when it re-reads the prompt, "
-                        "whatever the question (a second prefill's cost) (default snapkv)")
+    common.add_argument(
+        "--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on GPU, float32 on CPU)"
+    )
+    common.add_argument(
+        "--budget",
+        type=budget_value,
+        default=None,
+        help="prompt tokens kept per layer and KV "
+        "head (512), or a share of each prompt (50%%, never below 128 tokens); default 1024 tokens",
+    )
+    common.add_argument(
+        "--method",
+        default=None,
+        choices=CLI_METHODS,
+        help="snapkv; docsnapkv: document-aware SnapKV (keeps the instruction and question, shares "
+        "the budget between the documents by the votes they get); adasnapkv: head-adaptive SnapKV (the layer's budget "
+        "shared between its heads by vote); lookahead: head-adaptive SnapKV whose votes also come from the first "
+        "8 tokens of the answer, drafted over the full cache first (the best kept answers at small budgets, "
+        "at most 8 more passes' cost); keynorm: the shortest keys, "
+        "whatever the question; kvzip: what the model attends to when it re-reads the prompt, "
+        "whatever the question (a second prefill's cost) (default snapkv)",
+    )
     common.add_argument("--window", type=int, default=None, help="observation window (default 32)")
-    common.add_argument("--kernel", type=int, default=None, help="pooling kernel, odd (default 7; kvzip: 1, no pooling)")
+    common.add_argument(
+        "--kernel", type=int, default=None, help="pooling kernel, odd (default 7; kvzip: 1, no pooling)"
+    )
     common.add_argument("--pooling", default=None, choices=("max", "avg"), help="(default max)")
     common.add_argument("--full", action="store_true", help="no compression: the full cache")
     common.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit (default 64)")
     sub = parser.add_subparsers(dest="command", required=True)
     ask = sub.add_parser("ask", parents=[common], help="answer a question over documents")
     ask.add_argument("question")
-    ask.add_argument("--docs", nargs="+", required=True, metavar="FILE_OR_DIR",
-                     help="JSONL (one {'text', 'title'} or string per line), JSON list, .txt/.md files, or folders")
+    ask.add_argument(
+        "--docs",
+        nargs="+",
+        required=True,
+        metavar="FILE_OR_DIR",
+        help="JSONL (one {'text', 'title'} or string per line), JSON list, .txt/.md files, or folders",
+    )
     ask.add_argument("--json", action="store_true", help="print the whole result as JSON")
     ask.set_defaults(func=cmd_ask)
     demo = sub.add_parser("demo", parents=[common], help="a bundled NQ question: full cache and SnapKV side by side")
-    demo.add_argument("--budgets", type=budget_value, nargs="+", default=[1024, 256],
-                      help="SnapKV budgets to show beside the full cache (default 1024 256)")
-    demo.add_argument("--questions", type=int, default=1, help="how many of the bundled questions to show "
-                      "(default 1)")
+    demo.add_argument(
+        "--budgets",
+        type=budget_value,
+        nargs="+",
+        default=[1024, 256],
+        help="SnapKV budgets to show beside the full cache (default 1024 256)",
+    )
+    demo.add_argument("--questions", type=int, default=1, help="how many of the bundled questions to show (default 1)")
     demo.set_defaults(func=cmd_demo)
-    serve = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (chat and completions "
-                           "with documents, SSE streaming, metrics)")
+    serve = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="an OpenAI-compatible HTTP server (chat and completions with documents, SSE streaming, metrics)",
+    )
     serve_options.add_arguments(serve)
     serve.set_defaults(func=cmd_serve)
     sub.add_parser("eval", add_help=False, help="the eval suite, the same as python -m evals (snapkv-rag eval --help)")

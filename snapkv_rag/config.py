@@ -27,12 +27,18 @@ class PromptSpans:
     def __post_init__(self) -> None:
         last = None
         for start, stop in self.documents:
-            require(isinstance(start, int) and isinstance(stop, int) and start < stop <= 0, "spans",
-                     f"each document span must be (start, stop) with start < stop <= 0, got {(start, stop)!r}")
+            require(
+                isinstance(start, int) and isinstance(stop, int) and start < stop <= 0,
+                "spans",
+                f"each document span must be (start, stop) with start < stop <= 0, got {(start, stop)!r}",
+            )
             require(last is None or start >= last, "spans", "document spans must be in order, not overlapping")
             last = stop
-        require(isinstance(self.question, int) and self.question < 0 and (last is None or self.question >= last),
-                 "spans", f"question must start after the last document and before the end, got {self.question!r}")
+        require(
+            isinstance(self.question, int) and self.question < 0 and (last is None or self.question >= last),
+            "spans",
+            f"question must start after the last document and before the end, got {self.question!r}",
+        )
 
     def in_slice(self, length: int) -> list[tuple[int, int]]:
         """The document spans as positions of a slice of ``length`` tokens that ends where the

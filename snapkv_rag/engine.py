@@ -12,29 +12,43 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from .runtime import attention, choices, compare as comparing
-from .request import cited, structured
-from .documents import store as doc_store, stitch
-from .models import loading
+from .documents import stitch
+from .documents import store as doc_store
 from .kv import prefix_cache
 from .methods import SnapKVConfig, is_method
+from .models import loading
+from .request import cited, structured
 from .request.prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
 from .request.results import GenerationResult, Timings, finish_result
+from .request.text import Message, Request, check_question, encode_request, normalise_messages
+from .request.tools import ToolPlan
+from .runtime import attention, choices
+from .runtime import compare as comparing
 from .runtime.runner import Runner
 from .runtime.sampling import SamplingOptions
 from .runtime.scheduler import Outcome, Scheduler, SchedulerStats, Ticket
-from .request.text import Message, Request, check_question, encode_request, normalise_messages
-from .request.tools import ToolPlan
 
 Comparison = comparing.Comparison
 log = logging.getLogger(__name__)
-OPTIONS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "snapkv", "ignore_eos", "response_format",
-           "cite", "n", "logprobs")
+OPTIONS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "snapkv",
+    "ignore_eos",
+    "response_format",
+    "cite",
+    "n",
+    "logprobs",
+)
 
 
 @dataclass
@@ -66,8 +80,10 @@ def check_config(snapkv: Any):
     if snapkv is True:
         return SnapKVConfig()
     if not is_method(snapkv):
-        raise TypeError(f"snapkv: expected a SnapKVConfig (or another compression config), True, False or None; "
-                        f"got {type(snapkv).__name__}")
+        raise TypeError(
+            f"snapkv: expected a SnapKVConfig (or another compression config), True, False or None; "
+            f"got {type(snapkv).__name__}"
+        )
     return snapkv
 
 
@@ -92,25 +108,45 @@ class SnapKVLLM:
     its question; ``doc_store_bytes`` the compressed document sets' store (:meth:`index_documents`).
     """
 
-    def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str | None = None,
-                 dtype: str | torch.dtype | None = None, attn_implementation: str | None = None,
-                 snapkv: Any = SnapKVConfig(), max_new_tokens: int | None = None, instruction: str = DEFAULT_INSTRUCTION,
-                 trust_remote_code: bool = False, prefill_chunk: int | None = 4096, compile: bool | str = False,
-                 max_batch: int = 16, max_kv_bytes: int | None = None, doc_store_bytes: int = doc_store.DEFAULT_BYTES,
-                 prefix_cache_bytes: int = prefix_cache.DEFAULT_BYTES):
+    def __init__(
+        self,
+        model: Any = None,
+        *,
+        tokenizer: Any = None,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        attn_implementation: str | None = None,
+        snapkv: Any = SnapKVConfig(),
+        max_new_tokens: int | None = None,
+        instruction: str = DEFAULT_INSTRUCTION,
+        trust_remote_code: bool = False,
+        prefill_chunk: int | None = 4096,
+        compile: bool | str = False,
+        max_batch: int = 16,
+        max_kv_bytes: int | None = None,
+        doc_store_bytes: int = doc_store.DEFAULT_BYTES,
+        prefix_cache_bytes: int = prefix_cache.DEFAULT_BYTES,
+    ):
         if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
-            raise ValueError(f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, "
-                             f"got {attn_implementation!r}")
+            raise ValueError(
+                f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, "
+                f"got {attn_implementation!r}"
+            )
         self.default_snapkv = check_config(snapkv)
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk <= 0):
+        if prefill_chunk is not None and (
+            isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk <= 0
+        ):
             raise ValueError(f"prefill_chunk: expected a positive number of tokens or None, got {prefill_chunk!r}")
         if not isinstance(compile, (bool, str)):
             raise ValueError(f"compile: expected True, False or a torch.compile mode name, got {compile!r}")
         if compile and attn_implementation == "flash_attention_2":
-            raise ValueError("compile: the fixed-size decode cache needs a 4-D attention mask, which "
-                             "flash_attention_2 does not take; use attn_implementation='sdpa' with compile")
-        self.max_new_tokens = SamplingOptions(max_new_tokens=128 if max_new_tokens is None else max_new_tokens).max_new_tokens
+            raise ValueError(
+                "compile: the fixed-size decode cache needs a 4-D attention mask, which "
+                "flash_attention_2 does not take; use attn_implementation='sdpa' with compile"
+            )
+        self.max_new_tokens = SamplingOptions(
+            max_new_tokens=128 if max_new_tokens is None else max_new_tokens
+        ).max_new_tokens
         self._structured_max_new_tokens = cited.STRUCTURED_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
         self.instruction = instruction
         if isinstance(model, torch.nn.Module):
@@ -131,8 +167,15 @@ class SnapKVLLM:
         self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
         self.doc_store = doc_store.DocStore(doc_store_bytes)
         self.chunk_store = stitch.ChunkStore()  # per-document caches for reuse_documents
-        self.runner = Runner(self.model, eos_ids=frozenset(eos), pad_id=pad, base=self.attn_implementation,
-                             prefill_chunk=prefill_chunk, compile=compile, prefix_cache=self.prefix_cache)
+        self.runner = Runner(
+            self.model,
+            eos_ids=frozenset(eos),
+            pad_id=pad,
+            base=self.attn_implementation,
+            prefill_chunk=prefill_chunk,
+            compile=compile,
+            prefix_cache=self.prefix_cache,
+        )
         self.runner.repeat_ids = tuple(self.tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
         self.device = self.runner.device
         self.compile, self.prefill_chunk = compile, prefill_chunk
@@ -185,17 +228,26 @@ class SnapKVLLM:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def request(self, question_or_messages: str | Sequence[Message],
-                documents: Sequence[DocumentLike] | None = None, cite: str = "text",
-                tools: Sequence[Mapping] | None = None) -> Request:
+    def request(
+        self,
+        question_or_messages: str | Sequence[Message],
+        documents: Sequence[DocumentLike] | None = None,
+        cite: str = "text",
+        tools: Sequence[Mapping] | None = None,
+    ) -> Request:
         """The prompt ``generate`` (a question) or ``chat`` (messages, with ``tools``) would run:
         ``.text`` (chat template applied), ``.input_ids`` and the numbered ``.documents``. Nothing runs. With
         ``cite="json"`` the instruction asks for the cited-answer JSON (the question stays last)."""
         if cite not in cited.CITE_MODES:
             cited.check_cite(cite, ())
         instruction = cited.CITE_INSTRUCTION if cite == "json" else self.instruction
-        request = encode_request(self.tokenizer, self._messages(question_or_messages),
-                                 doc_store.documents_of(self, documents), instruction, tools)
+        request = encode_request(
+            self.tokenizer,
+            self._messages(question_or_messages),
+            doc_store.documents_of(self, documents),
+            instruction,
+            tools,
+        )
         request = doc_store.bind(request, documents)  # over a stored document set: its cache
         request.cite = cited.check_cite(cite, request.documents)
         return request
@@ -218,8 +270,9 @@ class SnapKVLLM:
         """Yield text pieces as they are decoded; they concatenate to ``generate``'s text."""
         return self.stream_chat(self._messages(check_question(question)), documents, **options)
 
-    def chat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
-             **options) -> GenerationResult:
+    def chat(
+        self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None, **options
+    ) -> GenerationResult:
         """Continue a conversation. With ``documents``, the last (user) message becomes the
         question of a RAG prompt; the observation window is always the end of the last message.
         ``tools`` (OpenAI-style function dicts) and ``tool_choice``: see :mod:`snapkv_rag.request.tools`;
@@ -227,36 +280,41 @@ class SnapKVLLM:
         ``tool_calls`` and ``tool`` messages (``content``, ``tool_call_id``) with the results."""
         return _last(self.stream_result(messages, documents, **options))
 
-    def stream_chat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
-                    **options) -> Iterator[str]:
+    def stream_chat(
+        self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None, **options
+    ) -> Iterator[str]:
         return (item for item in self.stream_result(messages, documents, **options) if isinstance(item, str))
 
-    def stream_result(self, question_or_messages: str | Sequence[Message],
-                      documents: Sequence[DocumentLike] | None = None, **options) -> Iterator[str | GenerationResult]:
+    def stream_result(
+        self, question_or_messages: str | Sequence[Message], documents: Sequence[DocumentLike] | None = None, **options
+    ) -> Iterator[str | GenerationResult]:
         """Like :meth:`stream`, then the full :class:`GenerationResult` as the last item. Input is
         checked before this returns; closing the iterator early cancels the request."""
         call = self._resolve(question_or_messages, documents, options)
         return self._results(call, self._submit(call))
 
-    async def agenerate(self, question: str, documents: Sequence[DocumentLike] | None = None,
-                        **options) -> GenerationResult:
+    async def agenerate(
+        self, question: str, documents: Sequence[DocumentLike] | None = None, **options
+    ) -> GenerationResult:
         """:meth:`generate` without blocking the event loop (the engine's worker does the work)."""
         return await _alast(self.astream_result(check_question(question), documents, **options))
 
-    async def achat(self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None,
-                    **options) -> GenerationResult:
+    async def achat(
+        self, messages: Sequence[Message], documents: Sequence[DocumentLike] | None = None, **options
+    ) -> GenerationResult:
         return await _alast(self.astream_result(messages, documents, **options))
 
-    async def astream(self, question: str, documents: Sequence[DocumentLike] | None = None,
-                      **options) -> AsyncIterator[str]:
+    async def astream(
+        self, question: str, documents: Sequence[DocumentLike] | None = None, **options
+    ) -> AsyncIterator[str]:
         """:meth:`stream` for asyncio; bad input raises before the first piece."""
         async for item in self.astream_result(check_question(question), documents, **options):
             if isinstance(item, str):
                 yield item
 
-    async def astream_result(self, question_or_messages: str | Sequence[Message],
-                             documents: Sequence[DocumentLike] | None = None,
-                             **options) -> AsyncIterator[str | GenerationResult]:
+    async def astream_result(
+        self, question_or_messages: str | Sequence[Message], documents: Sequence[DocumentLike] | None = None, **options
+    ) -> AsyncIterator[str | GenerationResult]:
         """:meth:`stream_result` for asyncio: pieces, then the result; closing it cancels the request."""
         call = self._resolve(question_or_messages, documents, options)
         ticket = self._submit(call, asyncio.get_running_loop())
@@ -268,8 +326,14 @@ class SnapKVLLM:
         finally:
             ticket.cancel()
 
-    def generate_batch(self, questions: Sequence[str], documents: Sequence[Sequence[DocumentLike] | None] | None = None,
-                       *, batch_size: int = 8, **options) -> list[GenerationResult]:
+    def generate_batch(
+        self,
+        questions: Sequence[str],
+        documents: Sequence[Sequence[DocumentLike] | None] | None = None,
+        *,
+        batch_size: int = 8,
+        **options,
+    ) -> list[GenerationResult]:
         """Several requests; at most ``batch_size`` of them in the engine at once (each prefilled at
         its own length, decoded together). ``documents`` is one list per question (or ``None``)."""
         if isinstance(questions, str) or not isinstance(questions, Sequence):
@@ -279,7 +343,9 @@ class SnapKVLLM:
             raise ValueError(f"documents: got {len(documents)} lists for {len(questions)} questions")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: must be a positive integer, got {batch_size!r}")
-        requests = [self.request(check_question(q), d, options.get("cite", "text")) for q, d in zip(questions, documents)]
+        requests = [
+            self.request(check_question(q), d, options.get("cite", "text")) for q, d in zip(questions, documents)
+        ]
         prepared = [self._bind(r, *self._options(options, r)) for r in requests]
         runs = [self._results(call, self._submit(call)) for call in prepared[:batch_size]]
         results: list[GenerationResult] = []
@@ -290,13 +356,20 @@ class SnapKVLLM:
                     call = prepared[i + batch_size]
                     runs.append(self._results(call, self._submit(call)))
         finally:
-            for run in runs[len(results):]:
+            for run in runs[len(results) :]:
                 run.close()
         return results
 
-    def compare(self, question: str, documents: Sequence[DocumentLike] | None = None, *,
-                methods: Mapping[str, Any], hit_rate: bool = True, together: bool = False,
-                **options) -> Comparison:
+    def compare(
+        self,
+        question: str,
+        documents: Sequence[DocumentLike] | None = None,
+        *,
+        methods: Mapping[str, Any],
+        hit_rate: bool = True,
+        together: bool = False,
+        **options,
+    ) -> Comparison:
         """Run several compression methods (``methods``: name -> config, ``None`` for the full cache)
         on one prompt with ONE shared prefill; each result equals ``generate`` with that method.
         ``together=True`` decodes the methods as rows of one batch (faster; each method's decode
@@ -305,8 +378,10 @@ class SnapKVLLM:
             raise ValueError("methods: give at least one method")
         request = self.request(check_question(question), documents, options.get("cite", "text"))
         configs = {name: check_config(config) for name, config in methods.items()}
-        configs = {name: config and config.for_prompt(len(request.input_ids)).with_spans(request.spans)
-                   for name, config in configs.items()}
+        configs = {
+            name: config and config.for_prompt(len(request.input_ids)).with_spans(request.spans)
+            for name, config in configs.items()
+        }
         sampling, stop, _ = self._options({k: v for k, v in options.items() if k != "snapkv"}, request)
         try:
             return comparing.compare(self.scheduler, request, configs, sampling, stop, hit_rate, together)
@@ -337,12 +412,15 @@ class SnapKVLLM:
         """The request with its tools rendered, the options with the call's ``response_format``."""
         options = dict(options)
         messages = self._messages(messages)
-        plan = ToolPlan.of(options.pop("tools", None), options.pop("tool_choice", None),
-                           normalise_messages(messages)[-1]["role"])
+        plan = ToolPlan.of(
+            options.pop("tools", None), options.pop("tool_choice", None), normalise_messages(messages)[-1]["role"]
+        )
         if plan is not None and plan.response_format is not None:
             if options.get("response_format") is not None:
-                raise ValueError("response_format: cannot be combined with a tool call (tool_choice "
-                                 f"{plan.choice!r}); use tool_choice='none' for a structured text answer")
+                raise ValueError(
+                    "response_format: cannot be combined with a tool call (tool_choice "
+                    f"{plan.choice!r}); use tool_choice='none' for a structured text answer"
+                )
             options["response_format"] = plan.response_format
         return self.request(messages, documents, options.get("cite", "text"), plan and plan.shown), options, plan
 
@@ -350,15 +428,19 @@ class SnapKVLLM:
         unknown = set(options) - set(OPTIONS)
         if unknown:
             raise TypeError(f"unexpected option(s): {', '.join(sorted(unknown))}")
-        constrained = cited.constrain(requests, options.get("response_format"), options.get("cite", "text"),
-                                      self._compile_format)
+        constrained = cited.constrain(
+            requests, options.get("response_format"), options.get("cite", "text"), self._compile_format
+        )
         default_new = self._structured_max_new_tokens if constrained else self.max_new_tokens
         sampling = SamplingOptions(
             max_new_tokens=default_new if options.get("max_new_tokens") is None else options["max_new_tokens"],
             temperature=options.get("temperature") or 0.0,
-            top_p=1.0 if options.get("top_p") is None else options["top_p"], seed=options.get("seed"),
-            ignore_eos=options.get("ignore_eos", False), n=1 if options.get("n") is None else options["n"],
-            logprobs=options.get("logprobs"))
+            top_p=1.0 if options.get("top_p") is None else options["top_p"],
+            seed=options.get("seed"),
+            ignore_eos=options.get("ignore_eos", False),
+            n=1 if options.get("n") is None else options["n"],
+            logprobs=options.get("logprobs"),
+        )
         for request in requests:
             if request.constraint is not None:  # its last tokens close the JSON
                 request.constraint.budget = sampling.max_new_tokens
@@ -373,7 +455,8 @@ class SnapKVLLM:
             if total > self.context_window:
                 raise ContextLengthError(
                     f"prompt is {len(request.input_ids)} tokens and max_new_tokens is {sampling.max_new_tokens}: "
-                    f"together {total} tokens, over the model's context window of {self.context_window} tokens")
+                    f"together {total} tokens, over the model's context window of {self.context_window} tokens"
+                )
         return sampling, stop, config
 
     def _submit(self, call: Call, loop=None) -> Ticket:
@@ -393,18 +476,33 @@ class SnapKVLLM:
     def _result(self, request: Request, outcome: Outcome, plan: ToolPlan | None = None) -> GenerationResult:
         if outcome.choices:  # n > 1: each choice's result (its own grammar state), then all in one
             return choices.combine([self._result(choices.own_request(request, o), o, plan) for o in outcome.choices])
-        timings = Timings(prefill_s=outcome.prefill_s, decode_ms_per_token=0.0, batch_size=outcome.batch_size,
-                          queued_s=outcome.queued_s)
-        result = cited.finish(finish_result(outcome.row, request.documents, len(request.input_ids), outcome.compression,
-                                            timings), request.constraint, request.cite)
+        timings = Timings(
+            prefill_s=outcome.prefill_s,
+            decode_ms_per_token=0.0,
+            batch_size=outcome.batch_size,
+            queued_s=outcome.queued_s,
+        )
+        result = cited.finish(
+            finish_result(outcome.row, request.documents, len(request.input_ids), outcome.compression, timings),
+            request.constraint,
+            request.cite,
+        )
         result.usage.cached_tokens = outcome.cached_tokens
         result = _with_calls(plan, result)
         if log.isEnabledFor(logging.INFO):
             c, t = result.compression, result.timings
-            log.info("%s: kept %d of %d prompt tokens per layer (%s), prefill %.2f s, %d tokens at %.1f ms/token%s (%s)",
-                     self.model_name, max(c.kept_tokens, default=0), c.prompt_tokens, c.method, t.prefill_s,
-                     result.usage.completion_tokens, t.decode_ms_per_token,
-                     f" (in a batch of up to {t.batch_size})" if t.batch_size > 1 else "", result.finish_reason)
+            log.info(
+                "%s: kept %d of %d prompt tokens per layer (%s), prefill %.2f s, %d tokens at %.1f ms/token%s (%s)",
+                self.model_name,
+                max(c.kept_tokens, default=0),
+                c.prompt_tokens,
+                c.method,
+                t.prefill_s,
+                result.usage.completion_tokens,
+                t.decode_ms_per_token,
+                f" (in a batch of up to {t.batch_size})" if t.batch_size > 1 else "",
+                result.finish_reason,
+            )
         return result
 
     def _out_of_memory(self, error: Exception, longest: int, config, batch: int = 1) -> GenerationOutOfMemoryError:
@@ -414,7 +512,8 @@ class SnapKVLLM:
         return GenerationOutOfMemoryError(
             f"out of memory on {self.device} with a prompt of {longest} tokens (batch {batch}), budget "
             f"{budget if budget is not None else 'full cache'}: use a smaller budget, a shorter prompt or a smaller "
-            "batch")
+            "batch"
+        )
 
     def _compile_format(self, response_format: Any) -> structured.CompiledFormat:
         """``response_format`` compiled for this model (cached per tokenizer and schema)."""

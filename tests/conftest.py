@@ -6,13 +6,11 @@ import os
 
 import pytest
 import torch
+from snapkv_testing import tiny_llama
 from transformers import AutoTokenizer
 
 from snapkv_rag import SnapKVLLM
 from snapkv_rag.models import loading
-
-from snapkv_testing import tiny_llama
-
 
 # The engine's tiny-model tests can run on another device and dtype (the GPU check does, on CUDA
 # in bfloat16), with a tokenizer folder of their own where the embedded model is not installed.

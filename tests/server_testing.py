@@ -24,8 +24,9 @@ def running_server(llm, **settings):
     """``(base_url, app)`` of a server for ``llm`` on 127.0.0.1, stopped on exit."""
     app = create_app(llm, ServerSettings(**{"model_name": "tiny", **settings}))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

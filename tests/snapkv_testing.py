@@ -5,12 +5,22 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+
 def tiny_llama(vocab_size: int, seed: int = 0, **overrides) -> LlamaForCausalLM:
     """2 layers, 4 query heads sharing 2 KV heads, head dim 16: the real Llama code at toy size."""
     torch.manual_seed(seed)
-    settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                    pad_token_id=2, bos_token_id=1, eos_token_id=2)
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        pad_token_id=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     config = LlamaConfig(**{**settings, **overrides})
     return LlamaForCausalLM(config).eval()
 
@@ -30,9 +40,15 @@ def cache_kwarg(model) -> str:
 def filler_documents(count: int, words: int = 60) -> list[dict]:
     """Deterministic documents of about ``words`` words each."""
     topics = ["river", "mountain", "library", "harbour", "orchard", "railway", "castle", "market"]
-    return [{"title": f"{topics[i % len(topics)].title()} {i}",
-             "text": " ".join(f"The {topics[(i + j) % len(topics)]} number {i * 31 + j} lies north." for j in range(words // 6))}
-            for i in range(count)]
+    return [
+        {
+            "title": f"{topics[i % len(topics)].title()} {i}",
+            "text": " ".join(
+                f"The {topics[(i + j) % len(topics)]} number {i * 31 + j} lies north." for j in range(words // 6)
+            ),
+        }
+        for i in range(count)
+    ]
 
 
 def capture_caches(model):

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from snapkv_testing import filler_documents, poisoning_empty_slots
 
 from snapkv_rag import AdaSnapKVConfig, SnapKVConfig
 from snapkv_rag.methods import adaptive
 from snapkv_rag.methods.adaptive import EMPTY, ada_snapkv_select, head_counts, trim_padding
-
-from snapkv_testing import filler_documents, poisoning_empty_slots
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUESTION = "Which harbour lies north?"
@@ -29,15 +28,19 @@ def test_selection_is_ragged_padded_and_keeps_the_window():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     q[:, :2] *= 4  # sharper attention in the first KV head's queries
-    keys, values, kept = ada_snapkv_select(q[..., -8:, :], k, v, AdaSnapKVConfig(max_capacity_prompt=20, window_size=8,
-                                                                                   floor=0.0))
+    keys, values, kept = ada_snapkv_select(
+        q[..., -8:, :], k, v, AdaSnapKVConfig(max_capacity_prompt=20, window_size=8, floor=0.0)
+    )
     held = (kept >= 0).sum(-1)
     assert held.sum() == 2 * 20 and held[0, 0] != held[0, 1]  # the layer's budget, shared unevenly
     for head in range(2):
         real = kept[0, head][kept[0, head] >= 0]
         assert real[-8:].tolist() == list(range(32, 40))  # the window, whole
         assert torch.equal(keys[0, head][kept[0, head] >= 0], k[0, head, real])
-        assert keys[0, head][kept[0, head] == EMPTY].abs().sum() == 0 and values[0, head][kept[0, head] == EMPTY].abs().sum() == 0
+        assert (
+            keys[0, head][kept[0, head] == EMPTY].abs().sum() == 0
+            and values[0, head][kept[0, head] == EMPTY].abs().sum() == 0
+        )
     trimmed = trim_padding(keys, values, kept)[2]
     assert trimmed.shape[-1] == int(held.max()) and (trimmed[0] >= 0).sum() == 40
 
@@ -63,9 +66,14 @@ def test_empty_slots_are_never_attended(tiny_engine, monkeypatch):
 
 def test_batch_equals_single_and_the_hit_rate_counts_each_heads_own_slots(tiny_engine):
     config = AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0)
-    questions, docs = [QUESTION, "Name the orchard.", "What lies north?"], [DOCS, filler_documents(2), filler_documents(4)]
+    questions, docs = (
+        [QUESTION, "Name the orchard.", "What lies north?"],
+        [DOCS, filler_documents(2), filler_documents(4)],
+    )
     batch = tiny_engine.generate_batch(questions, docs, snapkv=config, max_new_tokens=8, ignore_eos=True)
-    single = [tiny_engine.generate(q, d, snapkv=config, max_new_tokens=8, ignore_eos=True) for q, d in zip(questions, docs)]
+    single = [
+        tiny_engine.generate(q, d, snapkv=config, max_new_tokens=8, ignore_eos=True) for q, d in zip(questions, docs)
+    ]
     assert [r.raw_text for r in batch] == [r.raw_text for r in single]
     both = tiny_engine.compare(QUESTION, DOCS, methods={"full": None, "ada": config}, max_new_tokens=6)
     assert 0.0 <= both.hit_rate["ada"] <= 1.0
@@ -78,21 +86,28 @@ def test_bad_floor_is_refused():
 
 def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
     import httpx
+    from server_testing import running_server
 
     from evals.methods import parse_spec
-    from server_testing import running_server
     from snapkv_rag.cli import _config, build_parser
 
-    assert _config(build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--method", "adasnapkv"])) == AdaSnapKVConfig(
-        max_capacity_prompt=1024)
+    assert _config(
+        build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--method", "adasnapkv"])
+    ) == AdaSnapKVConfig(max_capacity_prompt=1024)
     assert parse_spec("adasnapkv@25%").config(400) == AdaSnapKVConfig(max_capacity_prompt=400)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "documents": DOCS, "max_tokens": 3,
-            "snapkv": {"method": "adasnapkv", "budget": 64, "window_size": 8}}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "documents": DOCS,
+        "max_tokens": 3,
+        "snapkv": {"method": "adasnapkv", "budget": 64, "window_size": 8},
+    }
     with running_server(tiny_engine) as (url, _):
         reply = httpx.post(url + "/v1/chat/completions", timeout=60, json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["snapkv"]["compression"]["method"] == "adasnapkv"
-    from snapkv_rag.server.protocol import ServerSettings, _compression as snapkv_config
+    from snapkv_rag.server.protocol import ServerSettings
+    from snapkv_rag.server.protocol import _compression as snapkv_config
 
     settings = ServerSettings(model_name="tiny")
     assert snapkv_config({"method": "adasnapkv", "floor": 0.5}, settings) == AdaSnapKVConfig(floor=0.5)
@@ -101,4 +116,3 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
         snapkv_config({"floor": 0.5}, settings)
     with pytest.raises(Exception, match="not a setting of method adasnapkv"):
         snapkv_config({"method": "adasnapkv", "share": "model"}, settings)
-

@@ -6,10 +6,9 @@ import concurrent.futures
 
 import pytest
 import torch
+from snapkv_testing import filler_documents
 
 from snapkv_rag import SnapKVLLM
-
-from snapkv_testing import filler_documents
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUESTION = "What lies north?"
@@ -44,11 +43,17 @@ def test_without_a_seed_the_choices_differ_and_greedy_gives_one_answer_n_times(t
     assert [c.text for c in greedy.choices] == [tiny_engine.generate(QUESTION, docs).text] * 3
 
 
-@pytest.mark.parametrize("options, words", [
-    ({"n": 0}, "n: must be an integer from 1 to 16"), ({"n": 17}, "n: must be an integer from 1 to 16"),
-    ({"n": True}, "n: must be"), ({"logprobs": 21}, "logprobs: must be None or an integer from 0 to 20"),
-    ({"logprobs": -1}, "logprobs: must be"), ({"logprobs": True}, "logprobs: must be"),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"n": 0}, "n: must be an integer from 1 to 16"),
+        ({"n": 17}, "n: must be an integer from 1 to 16"),
+        ({"n": True}, "n: must be"),
+        ({"logprobs": 21}, "logprobs: must be None or an integer from 0 to 20"),
+        ({"logprobs": -1}, "logprobs: must be"),
+        ({"logprobs": True}, "logprobs: must be"),
+    ],
+)
 def test_bad_n_or_logprobs_is_a_value_error_naming_it(tiny_engine, options, words):
     with pytest.raises(ValueError, match=words):
         tiny_engine.generate(QUESTION, **options)
@@ -70,7 +75,7 @@ def test_logprobs_are_the_log_softmax_of_a_plain_forward_at_each_step(tiny_engin
     model = tiny_engine.model
     with torch.inference_mode():
         logits = model(torch.tensor([ids + answer]), use_cache=False).logits[0].float()
-    expected = torch.log_softmax(logits[len(ids) - 1:-1], dim=-1)
+    expected = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)
     assert len(result.logprobs) == result.usage.completion_tokens == 12
     for step, entry in enumerate(result.logprobs):
         assert entry.logprob == pytest.approx(expected[step, entry.id].item(), abs=1e-4)
@@ -112,8 +117,9 @@ def test_streamed_pieces_carry_their_choice_and_the_results_logprobs(tiny_engine
 
 
 def test_each_choice_follows_its_own_grammar_and_masked_tokens_are_never_listed(tiny_engine):
-    result = tiny_engine.generate(QUESTION, n=2, temperature=0.9, seed=2, logprobs=20, max_new_tokens=60,
-                                  response_format={"type": "json_object"})
+    result = tiny_engine.generate(
+        QUESTION, n=2, temperature=0.9, seed=2, logprobs=20, max_new_tokens=60, response_format={"type": "json_object"}
+    )
     for choice in result.choices:
         assert choice.finish_reason != "stop" or isinstance(choice.parsed, dict)
         first = choice.logprobs[0]

@@ -27,16 +27,25 @@ def test_documents_from_jsonl_json_text_files_and_folders(tmp_path):
     assert [p.name for p in collected.skipped] == ["skip.bin"]  # reported, not dropped in silence
 
 
-@pytest.mark.parametrize("setup,words", [
-    (lambda p: str(p / "missing.jsonl"), "does not exist"),
-    (lambda p: (p / "x.pdf").write_bytes(b"%PDF") and str(p / "x.pdf"), "is not one of"),
-    (lambda p: (p / "bad.jsonl").write_text('"a"\n\n{oops\n') and str(p / "bad.jsonl"), "bad.jsonl, line 3: not valid JSON"),
-    (lambda p: (p / "bad.json").write_text('[\n"a",\n]') and str(p / "bad.json"), "bad.json, line 3: not valid JSON"),
-    (lambda p: (p / "obj.json").write_text('{"text": "x"}') and str(p / "obj.json"), "JSON list"),
-    (lambda p: (p / "num.jsonl").write_text('"a"\n3\n') and str(p / "num.jsonl"), "num.jsonl, line 2: neither"),
-    (lambda p: (p / "empty").mkdir() or str(p / "empty"), "holds no"),
-    (lambda p: (p / "latin.txt").write_bytes("caf\xe9".encode("latin-1")) and str(p / "latin.txt"), "UTF-8"),
-])
+@pytest.mark.parametrize(
+    "setup,words",
+    [
+        (lambda p: str(p / "missing.jsonl"), "does not exist"),
+        (lambda p: (p / "x.pdf").write_bytes(b"%PDF") and str(p / "x.pdf"), "is not one of"),
+        (
+            lambda p: (p / "bad.jsonl").write_text('"a"\n\n{oops\n') and str(p / "bad.jsonl"),
+            "bad.jsonl, line 3: not valid JSON",
+        ),
+        (
+            lambda p: (p / "bad.json").write_text('[\n"a",\n]') and str(p / "bad.json"),
+            "bad.json, line 3: not valid JSON",
+        ),
+        (lambda p: (p / "obj.json").write_text('{"text": "x"}') and str(p / "obj.json"), "JSON list"),
+        (lambda p: (p / "num.jsonl").write_text('"a"\n3\n') and str(p / "num.jsonl"), "num.jsonl, line 2: neither"),
+        (lambda p: (p / "empty").mkdir() or str(p / "empty"), "holds no"),
+        (lambda p: (p / "latin.txt").write_bytes("caf\xe9".encode("latin-1")) and str(p / "latin.txt"), "UTF-8"),
+    ],
+)
 def test_bad_paths_give_one_line_and_status_2(tmp_path, capsys, setup, words):
     path = setup(tmp_path)
     assert main(["ask", "question?", "--docs", path]) == 2
@@ -46,19 +55,26 @@ def test_bad_paths_give_one_line_and_status_2(tmp_path, capsys, setup, words):
 
 def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """The installed entry point, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "snapkv_rag.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "snapkv_rag.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--budget", "-5"], "--budget: must be an integer larger than --window 32, got -5"),
-    (["--budget", "16"], "--budget: must be an integer larger than --window 32, got 16"),
-    (["--window", "0"], "--window: must be a positive integer, got 0"),
-    (["--kernel", "4"], "--kernel: must be a positive odd integer, got 4"),
-    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
-    (["--budget", "150%"], "argument --budget: 150%: a share of the prompt must be in (0%, 100%]"),
-    (["--budget", "half"], "argument --budget: half: expected a number of tokens (512) or a share of the prompt (50%)"),
-])
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--budget", "-5"], "--budget: must be an integer larger than --window 32, got -5"),
+        (["--budget", "16"], "--budget: must be an integer larger than --window 32, got 16"),
+        (["--window", "0"], "--window: must be a positive integer, got 0"),
+        (["--kernel", "4"], "--kernel: must be a positive odd integer, got 4"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+        (["--budget", "150%"], "argument --budget: 150%: a share of the prompt must be in (0%, 100%]"),
+        (
+            ["--budget", "half"],
+            "argument --budget: half: expected a number of tokens (512) or a share of the prompt (50%)",
+        ),
+    ],
+)
 def test_cli_errors_speak_in_flags(tmp_path, flags, words):
     (tmp_path / "a.txt").write_text("alpha")
     out = _cli("ask", "q?", "--docs", str(tmp_path / "a.txt"), *flags)
@@ -67,7 +83,10 @@ def test_cli_errors_speak_in_flags(tmp_path, flags, words):
 
 
 def test_engine_messages_are_put_in_flag_words():
-    assert in_flag_words("device: 'cuda:9' was asked, use device='cpu'") == "--device: 'cuda:9' was asked, use --device cpu"
+    assert (
+        in_flag_words("device: 'cuda:9' was asked, use device='cpu'")
+        == "--device: 'cuda:9' was asked, use --device cpu"
+    )
     assert in_flag_words("max_new_tokens: must be a positive integer") == "--max-new-tokens: must be a positive integer"
 
 
@@ -92,9 +111,17 @@ def test_overridden_and_skipped_input_is_said_and_quiet_silences_it(tmp_path):
 
 
 def test_help_is_fast_because_nothing_heavy_is_imported():
-    out = subprocess.run([sys.executable, "-c", "import sys, snapkv_rag, snapkv_rag.cli; "
-                          "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, snapkv_rag, snapkv_rag.cli; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "[]"
     helped = _cli("--help")
     assert helped.returncode == 0 and "``" not in helped.stdout and "--verbose" in _cli("ask", "--help").stdout
@@ -104,8 +131,21 @@ def test_budget_as_a_share_reaches_the_engine(tmp_path, tiny_model, tokenizer):
     tiny_model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     (tmp_path / "a.txt").write_text(" ".join(f"The river number {i} lies north." for i in range(80)))
-    out = _cli("ask", "Which river?", "--docs", str(tmp_path / "a.txt"), "--model", str(tmp_path / "model"),
-               "--budget", "25%", "--device", "cpu", "--json", "--max-new-tokens", "2")
+    out = _cli(
+        "ask",
+        "Which river?",
+        "--docs",
+        str(tmp_path / "a.txt"),
+        "--model",
+        str(tmp_path / "model"),
+        "--budget",
+        "25%",
+        "--device",
+        "cpu",
+        "--json",
+        "--max-new-tokens",
+        "2",
+    )
     assert out.returncode == 0, out.stderr
     compression = json.loads(out.stdout)["compression"]
     assert compression["kept_tokens"][0] == -(-compression["prompt_tokens"] // 4) > 128
@@ -115,8 +155,18 @@ def test_budget_beyond_the_context_window_is_refused(tmp_path, tiny_model, token
     tiny_model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     (tmp_path / "a.txt").write_text("alpha")
-    out = _cli("ask", "q?", "--docs", str(tmp_path / "a.txt"), "--model", str(tmp_path / "model"), "--budget",
-               "10000000000", "--device", "cpu")
+    out = _cli(
+        "ask",
+        "q?",
+        "--docs",
+        str(tmp_path / "a.txt"),
+        "--model",
+        str(tmp_path / "model"),
+        "--budget",
+        "10000000000",
+        "--device",
+        "cpu",
+    )
     assert out.returncode == 2
     assert "--budget 10000000000: larger than the model's context window (8192 tokens)" in out.stderr
     assert "Loading weights" not in out.stderr  # transformers' bars are off in the CLI
@@ -126,10 +176,25 @@ def test_budget_beyond_the_context_window_is_refused(tmp_path, tiny_model, token
 def test_ask_answers_with_citations_and_figures(tmp_path):
     (tmp_path / "docs.jsonl").write_text(
         '{"title": "Mount Fuji", "text": "Mount Fuji is the highest mountain in Japan."}\n'
-        '{"title": "Lake Biwa", "text": "Lake Biwa is the largest lake in Japan."}\n')
-    out = subprocess.run([sys.executable, "-m", "snapkv_rag.cli", "ask", "What is the highest mountain in Japan?",
-                          "--docs", str(tmp_path / "docs.jsonl"), "--json", "--max-new-tokens", "24"],
-                         capture_output=True, text=True, timeout=300)
+        '{"title": "Lake Biwa", "text": "Lake Biwa is the largest lake in Japan."}\n'
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snapkv_rag.cli",
+            "ask",
+            "What is the highest mountain in Japan?",
+            "--docs",
+            str(tmp_path / "docs.jsonl"),
+            "--json",
+            "--max-new-tokens",
+            "24",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert "fuji" in result["text"].lower()

@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from snapkv_testing import filler_documents
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from snapkv_rag import SnapKVConfig, SnapKVLLM, StreamingLLMConfig
-from snapkv_testing import filler_documents
 
 SYNCS = ("_local_scalar_dense", "nonzero", "item")
 CONFIGS = [SnapKVConfig(max_capacity_prompt=64, window_size=8), StreamingLLMConfig(max_capacity_prompt=96)]
@@ -47,8 +47,15 @@ def watch_steps(llm: SnapKVLLM, count_ops: bool) -> tuple[OpCounter, set]:
 
 
 def workload(count: int) -> list[dict]:
-    return [dict(question=f"Which castle lies north of number {i}?", documents=filler_documents(1 + i % 4),
-                 snapkv=CONFIGS[i % 2], max_new_tokens=3 + i % 5) for i in range(count)]
+    return [
+        dict(
+            question=f"Which castle lies north of number {i}?",
+            documents=filler_documents(1 + i % 4),
+            snapkv=CONFIGS[i % 2],
+            max_new_tokens=3 + i % 5,
+        )
+        for i in range(count)
+    ]
 
 
 def run_together(llm: SnapKVLLM, args: list[dict]) -> list:
@@ -63,8 +70,10 @@ def plain(tiny_model, tokenizer):
 
 def test_sixteen_requests_join_and_leave_a_compiled_batch(tiny_model, tokenizer, plain):
     args = workload(16)
-    alone = [plain.generate(a["question"], a["documents"], snapkv=a["snapkv"], max_new_tokens=a["max_new_tokens"])
-             for a in args]
+    alone = [
+        plain.generate(a["question"], a["documents"], snapkv=a["snapkv"], max_new_tokens=a["max_new_tokens"])
+        for a in args
+    ]
     assert len({r.usage.prompt_tokens for r in alone}) >= 4  # unequal prompts
     compiled = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, compile=True, max_batch=4)
     _, buckets = watch_steps(compiled, count_ops=False)

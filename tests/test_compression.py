@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
+from snapkv_testing import seeded
 
 from snapkv_rag import H2OConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, StreamingLLMConfig
 from snapkv_rag.methods.selection import h2o_select, random_select, snapkv_select, streaming_select
-
-from snapkv_testing import seeded
 
 
 def reference_votes(q, k, cfg):
@@ -32,7 +31,7 @@ def reference_votes(q, k, cfg):
                 for j in range(prefix):
                     votes[j] += exps[j] / total / group
         half = cfg.kernel_size // 2
-        kept.append([max(votes[max(0, j - half): j + half + 1]) for j in range(prefix)])
+        kept.append([max(votes[max(0, j - half) : j + half + 1]) for j in range(prefix)])
     return kept
 
 
@@ -87,8 +86,9 @@ def test_padding_is_never_kept_or_voted_for():
     # the real part of the padded row selects as it would alone
     _, _, alone = snapkv_select(q[1:], k[1:, :, 15:], v[1:, :, 15:], cfg)
     assert torch.equal(kept[1] - 15, alone[0])
-    _, _, pooled = snapkv_select(q, k_pad, v, SnapKVConfig(max_capacity_prompt=10, window_size=4, kernel_size=7),
-                                 attention_mask=mask)
+    _, _, pooled = snapkv_select(
+        q, k_pad, v, SnapKVConfig(max_capacity_prompt=10, window_size=4, kernel_size=7), attention_mask=mask
+    )
     assert pooled[1].min() >= 15  # pooling next to the pads does not let a pad in
 
 
@@ -100,17 +100,21 @@ def test_row_shorter_than_budget_keeps_all_its_tokens_and_pads_first():
     _, _, kept = snapkv_select(q, k, v, cfg, attention_mask=mask)
     real = kept[1][kept[1] >= 14]
     assert real.sort().values.tolist() == [list(range(14, 20))] * 2 or all(
-        sorted(kept[1, h][kept[1, h] >= 14].tolist()) == list(range(14, 20)) for h in range(2))
+        sorted(kept[1, h][kept[1, h] >= 14].tolist()) == list(range(14, 20)) for h in range(2)
+    )
     assert all((kept[1, h][:4] < 14).all() for h in range(2))  # the pads sort first
 
 
-@pytest.mark.parametrize("field,kwargs", [
-    ("max_capacity_prompt", {"max_capacity_prompt": 32, "window_size": 32}),
-    ("window_size", {"window_size": 0}),
-    ("kernel_size", {"kernel_size": 4}),
-    ("kernel_size", {"kernel_size": -1}),
-    ("pooling", {"pooling": "median"}),
-])
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("max_capacity_prompt", {"max_capacity_prompt": 32, "window_size": 32}),
+        ("window_size", {"window_size": 0}),
+        ("kernel_size", {"kernel_size": 4}),
+        ("kernel_size", {"kernel_size": -1}),
+        ("pooling", {"pooling": "median"}),
+    ],
+)
 def test_config_rejects_impossible_values(field, kwargs):
     with pytest.raises(ValueError, match=field):
         SnapKVConfig(**kwargs)
@@ -144,13 +148,17 @@ def test_random_is_seeded_and_pyramid_budgets_average_out():
     assert abs(sum(budgets) / 30 - 256) <= 1
 
 
-@pytest.mark.parametrize("config", [
-    SnapKVConfig(max_capacity_prompt=40, window_size=4),
-    PyramidKVConfig(max_capacity_prompt=40, window_size=4),
-    StreamingLLMConfig(max_capacity_prompt=40, sink_tokens=4),
-    H2OConfig(max_capacity_prompt=40, recent_size=4),
-    RandomConfig(max_capacity_prompt=40, recent_size=4),
-], ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize(
+    "config",
+    [
+        SnapKVConfig(max_capacity_prompt=40, window_size=4),
+        PyramidKVConfig(max_capacity_prompt=40, window_size=4),
+        StreamingLLMConfig(max_capacity_prompt=40, sink_tokens=4),
+        H2OConfig(max_capacity_prompt=40, recent_size=4),
+        RandomConfig(max_capacity_prompt=40, recent_size=4),
+    ],
+    ids=lambda c: type(c).__name__,
+)
 @pytest.mark.parametrize("length", [3, 20, 39, 40])
 def test_every_method_keeps_a_prompt_no_longer_than_its_budget(config, length):
     # a prompt shorter than the recent window itself included (a short question in an eval cell

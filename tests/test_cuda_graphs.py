@@ -10,18 +10,28 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
-from snapkv_rag import SnapKVConfig, SnapKVLLM, StreamingLLMConfig
 from snapkv_testing import filler_documents
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and os.environ.get("SNAPKV_TEST_DEVICE", "").startswith("cuda")),
-                                reason="CUDA graphs need a CUDA device (the GPU check runs this file with SNAPKV_TEST_DEVICE=cuda)")
+from snapkv_rag import SnapKVConfig, SnapKVLLM, StreamingLLMConfig
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and os.environ.get("SNAPKV_TEST_DEVICE", "").startswith("cuda")),
+    reason="CUDA graphs need a CUDA device (the GPU check runs this file with SNAPKV_TEST_DEVICE=cuda)",
+)
 CONFIGS = [SnapKVConfig(max_capacity_prompt=64, window_size=8), StreamingLLMConfig(max_capacity_prompt=96), None]
 
 
 def _workload(count: int) -> list[dict]:
-    return [dict(question=f"Which castle lies north of number {i}?", documents=filler_documents(1 + i % 4),
-                 snapkv=CONFIGS[i % 3] or False, max_new_tokens=3 + i % 5, ignore_eos=True) for i in range(count)]
+    return [
+        dict(
+            question=f"Which castle lies north of number {i}?",
+            documents=filler_documents(1 + i % 4),
+            snapkv=CONFIGS[i % 3] or False,
+            max_new_tokens=3 + i % 5,
+            ignore_eos=True,
+        )
+        for i in range(count)
+    ]
 
 
 def _together(llm: SnapKVLLM, args: list[dict]) -> list:
@@ -40,7 +50,9 @@ def test_requests_joining_a_cuda_graph_batch_get_the_eager_tokens(tiny_model, to
         assert max(r.timings.batch_size for r in got) > 1  # rows did decode together
         # a longer prompt than any before: the kept buffers grow, the graphs are captured again
         longer = dict(documents=filler_documents(12), snapkv=False, max_new_tokens=6, ignore_eos=True)
-        assert graph.generate("Which harbour?", **longer).raw_text == eager.generate("Which harbour?", **longer).raw_text
+        assert (
+            graph.generate("Which harbour?", **longer).raw_text == eager.generate("Which harbour?", **longer).raw_text
+        )
         assert [r.raw_text for r in _together(graph, args[:4])] == [r.raw_text for r in alone[:4]]
     finally:
         graph.close()

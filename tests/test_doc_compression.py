@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from snapkv_testing import filler_documents, seeded
 
 from snapkv_rag import DocSnapKVConfig, PromptSpans, SnapKVConfig
 from snapkv_rag.methods.selection import doc_snapkv_select, share_budget, snapkv_select
 from snapkv_rag.request.prompts import DEFAULT_INSTRUCTION, to_documents
 from snapkv_rag.request.text import encode_request
-
-from snapkv_testing import filler_documents, seeded
 
 LENGTH, DIM = 48, 8
 # documents at 4..19 and 20..35; 0..3 (system turn) and 36..47 (instruction, question) lie outside
@@ -29,8 +28,9 @@ def hot_spot(position: int, heads: int = 2, kv_heads: int = 2, window: int = 8):
 
 
 def config(capacity: int, **settings) -> DocSnapKVConfig:
-    return DocSnapKVConfig(**{"max_capacity_prompt": capacity, "window_size": 8, "kernel_size": 7, "spans": SPANS,
-                              **settings})
+    return DocSnapKVConfig(
+        **{"max_capacity_prompt": capacity, "window_size": 8, "kernel_size": 7, "spans": SPANS, **settings}
+    )
 
 
 def test_votes_are_not_pooled_across_a_document_boundary():
@@ -62,21 +62,27 @@ def test_a_document_without_votes_goes_whole():
     assert len(set(kept[0, 0].tolist()) & set(range(4, 20))) == 10
 
 
-@pytest.mark.parametrize("mass, lengths, total, shares", [
-    ([0.0, 3.0, 1.0], [10, 10, 10], 8, [0, 6, 2]),  # in proportion; a zero mass gets nothing
-    ([0.0, 100.0, 1.0], [5, 3, 10], 8, [0, 3, 5]),  # a capped share passes the rest on
-    ([0.0, 1.0], [5, 3], 6, [3, 3]),  # what no positive mass can take goes to the others by length
-    ([1.0, 1.0, 1.0], [4, 4, 4], 5, [2, 2, 1]),  # largest remainder, the earlier first on ties
-    ([1.0, 2.0], [3, 3], 10, [3, 3]),  # never more than the documents hold
-])
+@pytest.mark.parametrize(
+    "mass, lengths, total, shares",
+    [
+        ([0.0, 3.0, 1.0], [10, 10, 10], 8, [0, 6, 2]),  # in proportion; a zero mass gets nothing
+        ([0.0, 100.0, 1.0], [5, 3, 10], 8, [0, 3, 5]),  # a capped share passes the rest on
+        ([0.0, 1.0], [5, 3], 6, [3, 3]),  # what no positive mass can take goes to the others by length
+        ([1.0, 1.0, 1.0], [4, 4, 4], 5, [2, 2, 1]),  # largest remainder, the earlier first on ties
+        ([1.0, 2.0], [3, 3], 10, [3, 3]),  # never more than the documents hold
+    ],
+)
 def test_shares_follow_the_vote_mass_and_add_up_to_the_budget(mass, lengths, total, shares):
     assert share_budget(mass, lengths, total) == shares
 
 
 def test_without_spans_it_is_plain_snapkv():
     g = seeded(3)
-    q, k, v = torch.randn(2, 4, 8, DIM, generator=g), torch.randn(2, 2, LENGTH, DIM, generator=g), \
-        torch.randn(2, 2, LENGTH, DIM, generator=g)
+    q, k, v = (
+        torch.randn(2, 4, 8, DIM, generator=g),
+        torch.randn(2, 2, LENGTH, DIM, generator=g),
+        torch.randn(2, 2, LENGTH, DIM, generator=g),
+    )
     doc = DocSnapKVConfig(max_capacity_prompt=20, window_size=8)
     plain = SnapKVConfig(max_capacity_prompt=20, window_size=8)
     ours, reference = doc.select(q, k, v, None, 0, 2), plain.select(q, k, v, None, 0, 2)
@@ -101,12 +107,13 @@ def test_bad_settings_are_refused_by_name():
 
 def test_the_prompt_builder_finds_every_document_and_the_question(tokenizer):
     docs = filler_documents(3)
-    request = encode_request(tokenizer, [{"role": "user", "content": "Which harbour lies north?"}], docs,
-                             DEFAULT_INSTRUCTION)
+    request = encode_request(
+        tokenizer, [{"role": "user", "content": "Which harbour lies north?"}], docs, DEFAULT_INSTRUCTION
+    )
     n = len(request.input_ids)
     for (start, stop), doc in zip(request.spans.documents, to_documents(docs)):
-        text = tokenizer.decode(request.input_ids[n + start:n + stop])
+        text = tokenizer.decode(request.input_ids[n + start : n + stop])
         assert doc.title in text and text.strip().endswith(doc.text.strip()[-20:])
-    assert tokenizer.decode(request.input_ids[n + request.spans.question:]).startswith("Question: Which harbour")
+    assert tokenizer.decode(request.input_ids[n + request.spans.question :]).startswith("Question: Which harbour")
     plain = encode_request(tokenizer, [{"role": "user", "content": "Hi"}], None, DEFAULT_INSTRUCTION)
     assert plain.spans is None

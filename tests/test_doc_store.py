@@ -8,14 +8,22 @@ import math
 import httpx
 import pytest
 import torch
-
-from snapkv_rag import DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, PyramidKVConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
-from snapkv_rag.methods.selection import key_norm_select
-from snapkv_rag.documents.store import DocumentSet
-
 from families import tiny_model as family_model
 from server_testing import running_server
 from snapkv_testing import filler_documents, tiny_llama
+
+from snapkv_rag import (
+    DocSnapKVConfig,
+    H2OConfig,
+    KeyNormConfig,
+    KVzipConfig,
+    PyramidKVConfig,
+    SnapKVConfig,
+    SnapKVLLM,
+    StreamingLLMConfig,
+)
+from snapkv_rag.documents.store import DocumentSet
+from snapkv_rag.methods.selection import key_norm_select
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUESTIONS = ["What lies north?", "Which castle is number 40?", "Where is the orchard?"]
@@ -117,8 +125,14 @@ def test_bad_requests_over_a_handle(llm, tiny_model, tokenizer):
     with pytest.raises(ValueError, match="does not start with the stored documents"):
         handle.generate(QUESTIONS[0], cite="json")
     with pytest.raises(ValueError, match="does not start with the stored documents"):
-        llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                  {"role": "user", "content": QUESTIONS[0]}], handle)
+        llm.chat(
+            [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": QUESTIONS[0]},
+            ],
+            handle,
+        )
     stranger = SnapKVLLM(model=tiny_llama(len(tokenizer), seed=1), tokenizer=tokenizer)
     with pytest.raises(ValueError, match="another model"):
         stranger.generate(QUESTIONS[0], handle)
@@ -163,9 +177,11 @@ def test_files_from_another_model_or_corrupt_are_refused(tokenizer, tmp_path):
     llm = SnapKVLLM(model=tiny_llama(len(tokenizer)), tokenizer=tokenizer)  # its own (the shared one can be cast)
     path = tmp_path / "docs.safetensors"
     llm.index_documents(DOCS, method=HALF).save(path)
-    for model, what in ((tiny_llama(len(tokenizer), seed=1), "model configuration"),
-                        (tiny_llama(len(tokenizer), num_hidden_layers=3), "model configuration"),
-                        (tiny_llama(len(tokenizer)).to(torch.float64), "dtype")):
+    for model, what in (
+        (tiny_llama(len(tokenizer), seed=1), "model configuration"),
+        (tiny_llama(len(tokenizer), num_hidden_layers=3), "model configuration"),
+        (tiny_llama(len(tokenizer)).to(torch.float64), "dtype"),
+    ):
         with pytest.raises(ValueError, match=f"another {what}"):
             SnapKVLLM(model=model, tokenizer=tokenizer).load_documents(path)
     data = path.read_bytes()
@@ -201,13 +217,26 @@ def test_models_with_recurrent_layers_answer_over_a_stored_set(family, tokenizer
     the same."""
     llm = SnapKVLLM(model=family_model(family, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=8)
     whole = llm.index_documents(DOCS, method=KeyNormConfig(ratio=1.0))
-    stored = [t.clone() for state in whole.entry().states if state is not None
-              for t in [*state.conv_states.values(), *state.recurrent_states.values()] if t is not None]
+    stored = [
+        t.clone()
+        for state in whole.entry().states
+        if state is not None
+        for t in [*state.conv_states.values(), *state.recurrent_states.values()]
+        if t is not None
+    ]
     for question in QUESTIONS + QUESTIONS[:1]:
-        over, alone = whole.generate(question, ignore_eos=True), llm.generate(question, DOCS, snapkv=False, ignore_eos=True)
+        over, alone = (
+            whole.generate(question, ignore_eos=True),
+            llm.generate(question, DOCS, snapkv=False, ignore_eos=True),
+        )
         assert over.raw_text == alone.raw_text and over.usage.cached_tokens == whole.prompt_tokens
-    after = [t for state in whole.entry().states if state is not None
-             for t in [*state.conv_states.values(), *state.recurrent_states.values()] if t is not None]
+    after = [
+        t
+        for state in whole.entry().states
+        if state is not None
+        for t in [*state.conv_states.values(), *state.recurrent_states.values()]
+        if t is not None
+    ]
     assert stored and all(torch.equal(a, b) for a, b in zip(stored, after, strict=True))  # never stepped in place
     _compressed_sets_answer_alike(llm, tokenizer, tmp_path)
 
@@ -219,7 +248,10 @@ def test_latent_attention_models_answer_over_a_stored_set(tokenizer, tmp_path):
     llm = SnapKVLLM(model=family_model("deepseek-v3", len(tokenizer)), tokenizer=tokenizer, max_new_tokens=8)
     whole = llm.index_documents(DOCS, method=KeyNormConfig(ratio=1.0))
     for question in QUESTIONS:
-        over, alone = whole.generate(question, ignore_eos=True), llm.generate(question, DOCS, snapkv=False, ignore_eos=True)
+        over, alone = (
+            whole.generate(question, ignore_eos=True),
+            llm.generate(question, DOCS, snapkv=False, ignore_eos=True),
+        )
         assert over.raw_text == alone.raw_text and over.usage.cached_tokens == whole.prompt_tokens
     for method in (HALF, KVzipConfig(ratio=0.5, window_size=8)):
         handle = llm.index_documents(DOCS, method=method)
@@ -237,7 +269,10 @@ def test_sliding_window_models_answer_over_a_stored_set(family, tokenizer):
     whole = llm.index_documents(DOCS, method=KeyNormConfig(ratio=1.0))
     assert whole.prompt_tokens > 400
     for question in QUESTIONS:
-        over, alone = whole.generate(question, ignore_eos=True), llm.generate(question, DOCS, snapkv=False, ignore_eos=True)
+        over, alone = (
+            whole.generate(question, ignore_eos=True),
+            llm.generate(question, DOCS, snapkv=False, ignore_eos=True),
+        )
         assert over.raw_text == alone.raw_text and over.usage.cached_tokens == whole.prompt_tokens
     _compressed_sets_answer_alike(llm, tokenizer)
 
@@ -263,9 +298,15 @@ def test_server_reuses_stored_caches_by_content(llm):
     """A query-agnostic request over documents seen before runs over their stored cache: same
     answer as over a handle, counted in /metrics; a SnapKV request over them does not use it."""
     with running_server(llm, max_documents=8) as (url, _):
+
         def ask(question, docs=DOCS, snapkv=None):
-            body = {"model": "tiny", "messages": [{"role": "user", "content": question}], "documents": docs,
-                    "max_tokens": 6, "snapkv": snapkv or {"method": "keynorm", "budget": "50%", "window_size": 8}}
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": question}],
+                "documents": docs,
+                "max_tokens": 6,
+                "snapkv": snapkv or {"method": "keynorm", "budget": "50%", "window_size": 8},
+            }
             return httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
 
         answers = [ask(q) for q in QUESTIONS]
@@ -273,8 +314,9 @@ def test_server_reuses_stored_caches_by_content(llm):
         snapkv = ask(QUESTIONS[0], snapkv={"method": "snapkv", "budget": 128, "window_size": 8})
         metrics = httpx.get(url + "/metrics").text
     handle = llm.index_documents(DOCS, method=HALF)
-    assert [a["choices"][0]["message"]["content"] for a in answers] == [handle.generate(q, max_new_tokens=6).text
-                                                                       for q in QUESTIONS]
+    assert [a["choices"][0]["message"]["content"] for a in answers] == [
+        handle.generate(q, max_new_tokens=6).text for q in QUESTIONS
+    ]
     assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers] == [handle.prompt_tokens] * 3
     assert snapkv["snapkv"]["compression"]["method"] == "snapkv"
     assert "snapkv_rag_doc_store_hits 4.0" in metrics and "snapkv_rag_doc_store_misses 2.0" in metrics

@@ -6,12 +6,11 @@ import re
 
 import pytest
 import torch
+from snapkv_testing import cache_kwarg, capture_caches, filler_documents, seeded
 from transformers import DynamicCache
 
 from snapkv_rag import PyramidKVConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
 from snapkv_rag.methods.selection import snapkv_select
-
-from snapkv_testing import cache_kwarg, capture_caches, filler_documents, seeded
 
 BUDGET = SnapKVConfig(max_capacity_prompt=64, window_size=8)
 
@@ -28,7 +27,8 @@ def test_compressed_cache_holds_budget_plus_generated(tiny_engine):
     decode_sizes = seen[1:]
     assert decode_sizes == [[64 + t, 64 + t] for t in range(len(decode_sizes))]
     assert result.compression.kv_bytes_kept * result.usage.prompt_tokens == pytest.approx(
-        result.compression.kv_bytes_full * 64)
+        result.compression.kv_bytes_full * 64
+    )
 
 
 def test_decode_continues_at_original_positions(tiny_engine, tokenizer):
@@ -41,8 +41,10 @@ def test_decode_continues_at_original_positions(tiny_engine, tokenizer):
     length = len(ids)
     cache = DynamicCache(config=model.config)
     queries = {}
-    hooks = [layer.self_attn.q_proj.register_forward_hook(
-        lambda m, a, out, i=i: queries.__setitem__(i, out)) for i, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.self_attn.q_proj.register_forward_hook(lambda m, a, out, i=i: queries.__setitem__(i, out))
+        for i, layer in enumerate(model.model.layers)
+    ]
     with torch.inference_mode():
         out = model(torch.tensor([ids]), **{cache_kwarg(model): cache}, use_cache=True)
     for h in hooks:
@@ -50,6 +52,7 @@ def test_decode_continues_at_original_positions(tiny_engine, tokenizer):
     # recompute the rotated window queries of each layer and compress that layer by hand
     cos, sin = model.model.rotary_emb(out.logits, torch.arange(length)[None])
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     for i, layer in enumerate(cache.layers):
         q = queries[i].view(1, length, 4, 16).transpose(1, 2)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
@@ -62,8 +65,12 @@ def test_decode_continues_at_original_positions(tiny_engine, tokenizer):
             if token in tiny_engine.runner.eos_ids:
                 break
             tokens.append(token)
-            logits = model(torch.tensor([[token]]), **{cache_kwarg(model): cache}, position_ids=torch.tensor([[length + step]]),
-                           use_cache=True).logits[:, -1]
+            logits = model(
+                torch.tensor([[token]]),
+                **{cache_kwarg(model): cache},
+                position_ids=torch.tensor([[length + step]]),
+                use_cache=True,
+            ).logits[:, -1]
     assert result.text == tokenizer.decode(tokens, skip_special_tokens=True)
 
 
@@ -74,15 +81,19 @@ def test_budget_above_prompt_equals_full_cache_and_model_generate(tiny_engine, t
     assert big.text == full.text and big.compression.ratio == 1.0
     ids = torch.tensor([tiny_engine.request(question, docs).input_ids])
     reference = tiny_engine.model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=2)
-    assert full.text == tokenizer.decode(reference[0, ids.shape[1]:], skip_special_tokens=True)
+    assert full.text == tokenizer.decode(reference[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def test_batch_of_unequal_prompts_equals_single_calls(tiny_engine):
     questions = ["What lies north?", "Which harbour is it?", "Name the orchard."]
     docs = [filler_documents(6), filler_documents(2), filler_documents(4)]
     # PyramidKV gives each layer its own cache length: each layer masks its own slots
-    for config in (BUDGET, SnapKVConfig(max_capacity_prompt=400, window_size=8), False,
-                   PyramidKVConfig(max_capacity_prompt=64, window_size=8)):
+    for config in (
+        BUDGET,
+        SnapKVConfig(max_capacity_prompt=400, window_size=8),
+        False,
+        PyramidKVConfig(max_capacity_prompt=64, window_size=8),
+    ):
         batch = tiny_engine.generate_batch(questions, docs, snapkv=config, max_new_tokens=8)
         single = [tiny_engine.generate(q, d, snapkv=config, max_new_tokens=8) for q, d in zip(questions, docs)]
         assert [r.text for r in batch] == [r.text for r in single]
@@ -95,7 +106,7 @@ def test_stream_concatenates_to_generate_and_stop_strings_cut(tiny_engine):
     pieces = list(tiny_engine.stream(question, docs, max_new_tokens=12))
     assert len(pieces) > 1 and "".join(pieces) == text
     assert text, "the tiny model produced no text to cut"
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     cut = tiny_engine.generate(question, docs, max_new_tokens=12, stop=[stop])
     assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
     assert "".join(tiny_engine.stream(question, docs, max_new_tokens=12, stop=[stop])) == cut.text
@@ -136,7 +147,8 @@ def test_chunked_mlp_prefill_computes_the_same_answer(tiny_model, tokenizer):
     whole = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, prefill_chunk=None)
     seen: list[int] = []
     handle = tiny_model.model.layers[0].mlp.down_proj.register_forward_pre_hook(
-        lambda module, args: seen.append(args[0].shape[-2]))
+        lambda module, args: seen.append(args[0].shape[-2])
+    )
     try:
         question, docs = "What lies north?", filler_documents(4)
         a = chunked.generate(question, docs, snapkv=BUDGET, max_new_tokens=10)
@@ -148,7 +160,7 @@ def test_chunked_mlp_prefill_computes_the_same_answer(tiny_model, tokenizer):
     assert length > 100
     # prefill: ceil(L / 16) slices of at most 16 tokens, then one call per decoded token
     assert prefill_calls[: -(-length // 16)] == [16] * (length // 16) + ([length % 16] if length % 16 else [])
-    assert set(prefill_calls[-(-length // 16):]) <= {1}
+    assert set(prefill_calls[-(-length // 16) :]) <= {1}
     assert seen[0] == length  # unchunked engine: the whole prompt at once
     assert a.text == b.text and a.compression.kept_tokens == b.compression.kept_tokens
 
@@ -208,26 +220,46 @@ def test_masked_decode_attention_equals_transformers_sdpa(tiny_model):
 
 def test_budget_as_a_share_of_the_prompt(tiny_engine):
     docs = filler_documents(6)
-    half = tiny_engine.generate("What lies north?", docs, snapkv=SnapKVConfig(ratio=0.5, window_size=8), max_new_tokens=4)
+    half = tiny_engine.generate(
+        "What lies north?", docs, snapkv=SnapKVConfig(ratio=0.5, window_size=8), max_new_tokens=4
+    )
     length = half.usage.prompt_tokens
-    assert half.compression.kept_tokens == [-(-length // 2)] * 2 and half.compression.ratio == pytest.approx(0.5, abs=0.01)
-    short = tiny_engine.generate("What lies north?", filler_documents(1), snapkv=SnapKVConfig(ratio=0.1, window_size=8,
-                                 min_capacity_prompt=64), max_new_tokens=4)
+    assert half.compression.kept_tokens == [-(-length // 2)] * 2 and half.compression.ratio == pytest.approx(
+        0.5, abs=0.01
+    )
+    short = tiny_engine.generate(
+        "What lies north?",
+        filler_documents(1),
+        snapkv=SnapKVConfig(ratio=0.1, window_size=8, min_capacity_prompt=64),
+        max_new_tokens=4,
+    )
     assert short.compression.kept_tokens == [min(64, short.usage.prompt_tokens)] * 2  # never below the minimum
-    by_tokens = tiny_engine.generate("What lies north?", docs, snapkv=SnapKVConfig(max_capacity_prompt=-(-length // 2),
-                                     window_size=8), max_new_tokens=4)
+    by_tokens = tiny_engine.generate(
+        "What lies north?",
+        docs,
+        snapkv=SnapKVConfig(max_capacity_prompt=-(-length // 2), window_size=8),
+        max_new_tokens=4,
+    )
     assert by_tokens.text == half.text  # the share resolves to the same budget in tokens
-    both = tiny_engine.compare("What lies north?", docs, methods={"half": SnapKVConfig(ratio=0.5, window_size=8)},
-                               max_new_tokens=4, hit_rate=False)
+    both = tiny_engine.compare(
+        "What lies north?",
+        docs,
+        methods={"half": SnapKVConfig(ratio=0.5, window_size=8)},
+        max_new_tokens=4,
+        hit_rate=False,
+    )
     assert both.results["half"].compression.kept_tokens == half.compression.kept_tokens
 
 
-@pytest.mark.parametrize("bad,words", [
-    (dict(ratio=0), "ratio: must be a share of the prompt in (0, 1]"),
-    (dict(ratio=1.5), "ratio: must be a share of the prompt in (0, 1]"),
-    (dict(ratio=0.5, max_capacity_prompt=512), "give max_capacity_prompt (tokens kept) or ratio"),
-    (dict(ratio=0.5, min_capacity_prompt=16), "min_capacity_prompt: must be an integer larger than window_size=32"),
-])
+@pytest.mark.parametrize(
+    "bad,words",
+    [
+        (dict(ratio=0), "ratio: must be a share of the prompt in (0, 1]"),
+        (dict(ratio=1.5), "ratio: must be a share of the prompt in (0, 1]"),
+        (dict(ratio=0.5, max_capacity_prompt=512), "give max_capacity_prompt (tokens kept) or ratio"),
+        (dict(ratio=0.5, min_capacity_prompt=16), "min_capacity_prompt: must be an integer larger than window_size=32"),
+    ],
+)
 def test_a_share_is_validated(bad, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         SnapKVConfig(**bad)

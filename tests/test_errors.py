@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from snapkv_testing import filler_documents, tiny_llama
 
 from snapkv_rag import ContextLengthError, ModelLoadError, SnapKVConfig, SnapKVLLM
-
-from snapkv_testing import filler_documents, tiny_llama
 
 
 def still_works(engine):
@@ -15,22 +14,25 @@ def still_works(engine):
     assert result.usage.completion_tokens >= 1
 
 
-@pytest.mark.parametrize("call,error,words", [
-    (lambda e: e.generate(""), ValueError, "question"),
-    (lambda e: e.generate("   "), ValueError, "question"),
-    (lambda e: e.generate(42), TypeError, "question"),
-    (lambda e: e.generate("q", [1, 2]), TypeError, "documents[0]"),
-    (lambda e: e.generate("q", ["ok", {"title": "no text"}]), TypeError, "documents[1]"),
-    (lambda e: e.generate("q", "a single string"), TypeError, "documents"),
-    (lambda e: e.generate("q", max_new_tokens=0), ValueError, "max_new_tokens"),
-    (lambda e: e.generate("q", max_new_tokens=-3), ValueError, "max_new_tokens"),
-    (lambda e: e.generate("q", temperature=-1), ValueError, "temperature"),
-    (lambda e: e.generate("q", top_p=0), ValueError, "top_p"),
-    (lambda e: e.generate("q", snapkv="yes"), TypeError, "snapkv"),
-    (lambda e: e.generate("q", budget=3), TypeError, "budget"),
-    (lambda e: e.chat([{"role": "robot", "content": "hi"}]), ValueError, "role"),
-    (lambda e: e.chat([]), ValueError, "messages"),
-])
+@pytest.mark.parametrize(
+    "call,error,words",
+    [
+        (lambda e: e.generate(""), ValueError, "question"),
+        (lambda e: e.generate("   "), ValueError, "question"),
+        (lambda e: e.generate(42), TypeError, "question"),
+        (lambda e: e.generate("q", [1, 2]), TypeError, "documents[0]"),
+        (lambda e: e.generate("q", ["ok", {"title": "no text"}]), TypeError, "documents[1]"),
+        (lambda e: e.generate("q", "a single string"), TypeError, "documents"),
+        (lambda e: e.generate("q", max_new_tokens=0), ValueError, "max_new_tokens"),
+        (lambda e: e.generate("q", max_new_tokens=-3), ValueError, "max_new_tokens"),
+        (lambda e: e.generate("q", temperature=-1), ValueError, "temperature"),
+        (lambda e: e.generate("q", top_p=0), ValueError, "top_p"),
+        (lambda e: e.generate("q", snapkv="yes"), TypeError, "snapkv"),
+        (lambda e: e.generate("q", budget=3), TypeError, "budget"),
+        (lambda e: e.chat([{"role": "robot", "content": "hi"}]), ValueError, "role"),
+        (lambda e: e.chat([]), ValueError, "messages"),
+    ],
+)
 def test_bad_requests_name_the_problem(tiny_engine, call, error, words):
     with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
         call(tiny_engine)
@@ -47,14 +49,20 @@ def test_prompt_over_the_context_window_gives_count_and_limit(tokenizer):
     still_works(engine)
 
 
-@pytest.mark.parametrize("kwargs,error,words", [
-    ({"snapkv": SnapKVConfig(max_capacity_prompt=64, window_size=8), "attn_implementation": "flash_attention_2"},
-     ValueError, "flash-attn"),
-    ({"attn_implementation": "paged"}, ValueError, "attn_implementation"),
-    ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
-    ({"device": "gpu0"}, ValueError, "device: 'gpu0' is not a torch device"),
-    ({"device": "cuda:99"}, ValueError, "device: 'cuda:99' was asked"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        (
+            {"snapkv": SnapKVConfig(max_capacity_prompt=64, window_size=8), "attn_implementation": "flash_attention_2"},
+            ValueError,
+            "flash-attn",
+        ),
+        ({"attn_implementation": "paged"}, ValueError, "attn_implementation"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+        ({"device": "gpu0"}, ValueError, "device: 'gpu0' is not a torch device"),
+        ({"device": "cuda:99"}, ValueError, "device: 'cuda:99' was asked"),
+    ],
+)
 def test_engine_options_are_checked(tiny_model, tokenizer, kwargs, error, words):
     with pytest.raises(error, match=words):
         SnapKVLLM(model=tiny_model, tokenizer=tokenizer, **kwargs)
@@ -92,12 +100,15 @@ def test_device_and_dtype_given_with_a_loaded_model_are_applied(tokenizer):
     still_works(engine)
 
 
-@pytest.mark.parametrize("native,given,expected,warned", [
-    (True, None, torch.float32, False),       # the CPU default stays float32: bfloat16 changes answers
-    (False, None, torch.float32, False),
-    (True, "bfloat16", torch.bfloat16, False),  # a dtype given always wins
-    (False, "bfloat16", torch.bfloat16, True),  # ... and where it is only emulated, the log says so
-])
+@pytest.mark.parametrize(
+    "native,given,expected,warned",
+    [
+        (True, None, torch.float32, False),  # the CPU default stays float32: bfloat16 changes answers
+        (False, None, torch.float32, False),
+        (True, "bfloat16", torch.bfloat16, False),  # a dtype given always wins
+        (False, "bfloat16", torch.bfloat16, True),  # ... and where it is only emulated, the log says so
+    ],
+)
 def test_cpu_dtype_default_and_emulated_bfloat16(monkeypatch, caplog, native, given, expected, warned):
     from snapkv_rag.models import loading
 

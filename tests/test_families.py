@@ -16,15 +16,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from families import COMMON, FAMILIES, tiny_model
+from snapkv_testing import capture_caches, filler_documents, tiny_llama
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from families import COMMON, FAMILIES, tiny_model
+from snapkv_rag import (
+    AdaSnapKVConfig,
+    DocSnapKVConfig,
+    H2OConfig,
+    KeyNormConfig,
+    KVzipConfig,
+    LookaheadSnapKVConfig,
+    PyramidKVConfig,
+    RandomConfig,
+    SnapKVConfig,
+    SnapKVLLM,
+    StreamingLLMConfig,
+)
 from snapkv_rag.runtime import draft as lookahead
-from snapkv_rag import AdaSnapKVConfig, DocSnapKVConfig, H2OConfig, KeyNormConfig, KVzipConfig, LookaheadSnapKVConfig, PyramidKVConfig, RandomConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
-from snapkv_testing import capture_caches, filler_documents, tiny_llama
 
 BUDGET = SnapKVConfig(max_capacity_prompt=64, window_size=8)
 NEW = 20
@@ -45,8 +57,9 @@ def model_of(name: str, vocab: int, dtype=torch.float32):
 
 @pytest.fixture(params=NAMES)
 def family(request, tokenizer):
-    return request.param, SnapKVLLM(model=model_of(request.param, len(tokenizer)), tokenizer=tokenizer,
-                                    max_new_tokens=NEW)
+    return request.param, SnapKVLLM(
+        model=model_of(request.param, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=NEW
+    )
 
 
 def reference_text(llm, tokenizer, ids, dtype=torch.float32) -> tuple[str, list[str]]:
@@ -54,9 +67,16 @@ def reference_text(llm, tokenizer, ids, dtype=torch.float32) -> tuple[str, list[
     at a near tie: at a step whose two best logits lie within one bf16 step of each other, the
     runner-up. The engine attends over its fixed slot buffer, whose sums may round one bf16 step
     differently from transformers' exact-length cache, so at such a step either token is greedy."""
-    out = llm.model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, pad_token_id=2,
-                             eos_token_id=2, output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(ids):].tolist()
+    out = llm.model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=2,
+        eos_token_id=2,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(ids) :].tolist()
     end = tokens.index(2) if 2 in tokens else len(tokens)
     turns = []
     for step, scores in enumerate(out.scores[:end] if dtype != torch.float32 else []):
@@ -106,12 +126,21 @@ class Capture:
         return dict(zip(holding, self.calls))
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        self.calls.append((query.detach().clone(), key.detach().clone(), kwargs.get("scaling"),
-                           kwargs.get("softcap"), kwargs.get("s_aux")))
+        self.calls.append(
+            (
+                query.detach().clone(),
+                key.detach().clone(),
+                kwargs.get("scaling"),
+                kwargs.get("softcap"),
+                kwargs.get("s_aux"),
+            )
+        )
         if self.base == "eager":
             import sys
-            return getattr(sys.modules[type(module).__module__], "eager_attention_forward")(
-                module, query, key, value, attention_mask, **kwargs)
+
+            return sys.modules[type(module).__module__].eager_attention_forward(
+                module, query, key, value, attention_mask, **kwargs
+            )
         return ALL_ATTENTION_FUNCTIONS[self.base](module, query, key, value, attention_mask, **kwargs)
 
 
@@ -167,8 +196,19 @@ def test_kept_kv_are_the_full_kv_at_an_independent_snapkv_selection(name, tokeni
         share = full_k.shape[-2]
         start = length - share
         shared = key.shape[1] != full_k.shape[1]  # a latent shared by all heads (DeepSeek-V3)
-        expected = reference_positions(query[..., start:, :], key[..., start:, :], scale, softcap, sinks,
-                                       BUDGET.max_capacity_prompt, BUDGET.window_size, shared) + start
+        expected = (
+            reference_positions(
+                query[..., start:, :],
+                key[..., start:, :],
+                scale,
+                softcap,
+                sinks,
+                BUDGET.max_capacity_prompt,
+                BUDGET.window_size,
+                shared,
+            )
+            + start
+        )
         if shared:
             expected = expected.expand(1, full_k.shape[1], -1)
         kept = layer.positions
@@ -196,8 +236,10 @@ def test_reported_kept_tokens_are_what_the_cache_holds(name, tokenizer):
             handle.remove()
     length = result.usage.prompt_tokens
     windows = [spec.window for spec in llm.runner.specs]
-    expected = [length if kind == "recurrent" else 0 if kind == "none" else min(length, 64, (window or 10**9) - 1)
-                for kind, window in zip(kinds, windows)]
+    expected = [
+        length if kind == "recurrent" else 0 if kind == "none" else min(length, 64, (window or 10**9) - 1)
+        for kind, window in zip(kinds, windows)
+    ]
     assert result.compression.kept_tokens == expected
     if seen is not None:
         assert seen[1] == expected  # held by each layer when the first decode step runs
@@ -206,9 +248,11 @@ def test_reported_kept_tokens_are_what_the_cache_holds(name, tokenizer):
 
 # the document-aware method at 64 works inside sliding windows (96: its tokens outside the documents
 # fit there) and falls back to SnapKV on full layers (89 of them); at 128 it works on full layers
-@pytest.mark.parametrize("method", [SnapKVConfig, partial(SnapKVConfig, pooling="avg"), DocSnapKVConfig,
-                                    partial(AdaSnapKVConfig, floor=0.0)],
-                         ids=["snapkv-max", "snapkv-avg", "docsnapkv", "adasnapkv"])
+@pytest.mark.parametrize(
+    "method",
+    [SnapKVConfig, partial(SnapKVConfig, pooling="avg"), DocSnapKVConfig, partial(AdaSnapKVConfig, floor=0.0)],
+    ids=["snapkv-max", "snapkv-avg", "docsnapkv", "adasnapkv"],
+)
 def test_concurrent_batch_equals_single_calls(family, method):
     _, llm = family
     batch_equals_single(llm, method)
@@ -221,13 +265,18 @@ def test_concurrent_batch_equals_single_calls(family, method):
 def test_lookahead_drafts_the_models_greedy_answer_and_batch_equals_single_calls(name, tokenizer, monkeypatch):
     llm = SnapKVLLM(model=model_of(name, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=NEW)
     ids, eos = llm.request(QUESTION, filler_documents(4)).input_ids, sorted(llm.runner.eos_ids)
-    greedy = llm.model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, eos_token_id=eos,
-                                pad_token_id=eos[0])[0, len(ids):].tolist()  # transformers' own cache and states
+    greedy = llm.model.generate(
+        torch.tensor([ids]), max_new_tokens=4, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
+    )[0, len(ids) :].tolist()  # transformers' own cache and states
     greedy = greedy[: next((i + 1 for i, t in enumerate(greedy) if t in eos), 4)]
     seen, real = [], lookahead.draft_and_vote
     monkeypatch.setattr(lookahead, "draft_and_vote", lambda *args: seen.append(real(*args)) or seen[-1])
-    llm.generate(QUESTION, filler_documents(4), snapkv=LookaheadSnapKVConfig(max_capacity_prompt=64, window_size=8,
-                                                                              lookahead=4), max_new_tokens=1)
+    llm.generate(
+        QUESTION,
+        filler_documents(4),
+        snapkv=LookaheadSnapKVConfig(max_capacity_prompt=64, window_size=8, lookahead=4),
+        max_new_tokens=1,
+    )
     assert [tokens for tokens, _ in seen] == [greedy]  # drafted one decode step at a time over the full prompt
     monkeypatch.undo()
     batch_equals_single(llm, partial(LookaheadSnapKVConfig, lookahead=4))  # the default: an even split
@@ -250,12 +299,17 @@ def batch_equals_single(llm, method) -> None:
 
 def test_compare_equals_generate_for_every_method(family):
     _, llm = family
-    methods = {"full": None, "snapkv": BUDGET, "pyramid": PyramidKVConfig(max_capacity_prompt=64, window_size=8),
-               "streaming": StreamingLLMConfig(max_capacity_prompt=64), "h2o": H2OConfig(max_capacity_prompt=64, recent_size=8),
-               "random": RandomConfig(max_capacity_prompt=64, recent_size=8),
-               "docsnapkv": DocSnapKVConfig(max_capacity_prompt=128, window_size=8),
-               "keynorm": KeyNormConfig(max_capacity_prompt=64, window_size=8),
-               "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0)}
+    methods = {
+        "full": None,
+        "snapkv": BUDGET,
+        "pyramid": PyramidKVConfig(max_capacity_prompt=64, window_size=8),
+        "streaming": StreamingLLMConfig(max_capacity_prompt=64),
+        "h2o": H2OConfig(max_capacity_prompt=64, recent_size=8),
+        "random": RandomConfig(max_capacity_prompt=64, recent_size=8),
+        "docsnapkv": DocSnapKVConfig(max_capacity_prompt=128, window_size=8),
+        "keynorm": KeyNormConfig(max_capacity_prompt=64, window_size=8),
+        "adasnapkv": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0),
+    }
     methods["kvzip"] = KVzipConfig(max_capacity_prompt=64, window_size=8)
     methods["kvzip-model"] = KVzipConfig(max_capacity_prompt=64, window_size=8, share="model", sink_tokens=2)
     docs = filler_documents(4)
@@ -302,26 +356,44 @@ def test_closing_the_engine_gives_the_model_its_attention_back(tokenizer):
 
 def tiny_minimax(vocab: int):
     """MiniMax (lightning attention + full attention), whose forward accepts only its own cache class."""
-    config = transformers.MiniMaxConfig(**{**COMMON, "vocab_size": vocab}, num_hidden_layers=2, num_local_experts=4,
-                                        num_experts_per_tok=2, block_size=16)
+    config = transformers.MiniMaxConfig(
+        **{**COMMON, "vocab_size": vocab},
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        block_size=16,
+    )
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def tiny_gemma3n(vocab: int):
     """Gemma 3n: its last layers attend over K/V that earlier layers stored (``kv_sharing_modes`` "reuse")."""
     config = transformers.Gemma3nTextConfig(
-        **{**COMMON, "vocab_size": vocab}, num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=32,
-        layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=vocab,
-        hidden_size_per_layer_input=8, laurel_rank=8, activation_sparsity_pattern=[0.0] * 4)
+        **{**COMMON, "vocab_size": vocab},
+        num_hidden_layers=4,
+        num_kv_shared_layers=2,
+        sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        vocab_size_per_layer_input=vocab,
+        hidden_size_per_layer_input=8,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.0] * 4,
+    )
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("model_of_case, match", [
-    (lambda vocab: tiny_llama(vocab, layer_types=["chunked_attention", "full_attention"]),
-     "model type 'llama' has chunked_attention layers.*supports"),
-    (tiny_minimax, "model type 'minimax' accepts only its own cache class \\(MiniMaxCache\\).*not supported"),
-    (tiny_gemma3n, "model type 'gemma3n_text' has layers that attend over another layer's K/V"),
-], ids=["chunked-attention", "minimax-own-cache", "gemma3n-shared-kv"])
+@pytest.mark.parametrize(
+    "model_of_case, match",
+    [
+        (
+            lambda vocab: tiny_llama(vocab, layer_types=["chunked_attention", "full_attention"]),
+            "model type 'llama' has chunked_attention layers.*supports",
+        ),
+        (tiny_minimax, "model type 'minimax' accepts only its own cache class \\(MiniMaxCache\\).*not supported"),
+        (tiny_gemma3n, "model type 'gemma3n_text' has layers that attend over another layer's K/V"),
+    ],
+    ids=["chunked-attention", "minimax-own-cache", "gemma3n-shared-kv"],
+)
 def test_an_unsupported_model_is_refused_before_any_work_naming_the_model_type(model_of_case, match, tokenizer):
     from snapkv_rag.kv.prompt_cache import UnsupportedModelError
 

@@ -53,8 +53,9 @@ def imports(path: Path, typing_too: bool = True) -> set[str]:
                 target = node.module or ""
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
-                exists = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or \
-                    (PACKAGE.parent / Path(*sub.split("."))).is_dir()
+                exists = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or (
+                    PACKAGE.parent / Path(*sub.split("."))
+                ).is_dir()
                 found.add(sub if exists else target)
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
@@ -75,16 +76,22 @@ def test_every_room_has_a_layer():
 
 
 def test_imports_point_down():
-    upward = sorted(f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets
-                    if room(a) != room(b) and RANK[room(b)] >= RANK[room(a)])
+    upward = sorted(
+        f"{a} -> {b}"
+        for a, targets in GRAPH.items()
+        for b in targets
+        if room(a) != room(b) and RANK[room(b)] >= RANK[room(a)]
+    )
     assert upward == [], "imports that do not point down:\n" + "\n".join(upward)
 
 
 def test_no_import_cycle():
     """Between modules, at run time (imports for type annotations only are not run; a package's
     ``__init__`` that re-exports its own modules is not a cycle)."""
-    graph = {a: {b for b in targets if b in RUNTIME and not a.startswith(b + ".") and b != a}
-             for a, targets in RUNTIME.items()}
+    graph = {
+        a: {b for b in targets if b in RUNTIME and not a.startswith(b + ".") and b != a}
+        for a, targets in RUNTIME.items()
+    }
     state: dict[str, int] = {}
     cycles = []
 
@@ -92,7 +99,7 @@ def test_no_import_cycle():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]) if nxt in path else f"{node} -> {nxt}")
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]) if nxt in path else f"{node} -> {nxt}")
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = 2

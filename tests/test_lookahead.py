@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from snapkv_testing import filler_documents
 
 from snapkv_rag import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig
 from snapkv_rag.runtime import draft as lookahead
-
-from snapkv_testing import filler_documents
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUESTION = "Which harbour lies north?"
@@ -27,8 +26,9 @@ def test_the_draft_is_the_full_caches_greedy_answer_and_votes_as_the_end_of_a_lo
     """Reference: head-adaptive SnapKV over the prompt with the full cache's first answer tokens
     appended, window and budget widened by them, those positions then dropped."""
     ids = tiny_engine.request(QUESTION, DOCS, "text").input_ids
-    full = tiny_engine.model.generate(torch.tensor([ids]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                                      pad_token_id=2)[0, len(ids):].tolist()  # transformers' own greedy answer
+    full = tiny_engine.model.generate(
+        torch.tensor([ids]), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=2
+    )[0, len(ids) :].tolist()  # transformers' own greedy answer
     seen = []
     real = lookahead.draft_and_vote
     monkeypatch.setattr(lookahead, "draft_and_vote", lambda *args: seen.append(real(*args)) or seen[-1])
@@ -49,16 +49,21 @@ def test_the_draft_is_the_full_caches_greedy_answer_and_votes_as_the_end_of_a_lo
 
 def test_kept_whole_it_is_the_full_cache(tiny_engine):
     full = tiny_engine.generate(QUESTION, DOCS, snapkv=False, max_new_tokens=10, ignore_eos=True)
-    whole = tiny_engine.generate(QUESTION, DOCS, snapkv=LookaheadSnapKVConfig(max_capacity_prompt=4096), max_new_tokens=10,
-                                 ignore_eos=True)
+    whole = tiny_engine.generate(
+        QUESTION, DOCS, snapkv=LookaheadSnapKVConfig(max_capacity_prompt=4096), max_new_tokens=10, ignore_eos=True
+    )
     assert whole.raw_text == full.raw_text and whole.compression.ratio == 1.0
 
 
 def test_compare_equals_generate_and_times_the_draft_as_selection(tiny_engine):
     """With the other methods it shares their prompt pass; with KVzip (whose pass runs its re-read on)
     it takes a second one."""
-    methods = {"full": None, "ada": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0), "ahead": AHEAD,
-               "kvzip": KVzipConfig(max_capacity_prompt=64, window_size=8)}
+    methods = {
+        "full": None,
+        "ada": AdaSnapKVConfig(max_capacity_prompt=64, window_size=8, floor=0.0),
+        "ahead": AHEAD,
+        "kvzip": KVzipConfig(max_capacity_prompt=64, window_size=8),
+    }
     both = tiny_engine.compare(QUESTION, DOCS, methods=methods, max_new_tokens=6)
     for name, config in methods.items():
         alone = tiny_engine.generate(QUESTION, DOCS, snapkv=config, max_new_tokens=6)
@@ -76,11 +81,12 @@ def test_bad_settings_are_refused_by_name():
 
 def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
     import httpx
+    from server_testing import running_server
 
     from evals.methods import parse_spec
-    from server_testing import running_server
     from snapkv_rag.cli import _config, build_parser
-    from snapkv_rag.server.protocol import ServerSettings, _compression as snapkv_config
+    from snapkv_rag.server.protocol import ServerSettings
+    from snapkv_rag.server.protocol import _compression as snapkv_config
 
     args = build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--method", "lookahead", "--budget", "25%"])
     assert _config(args) == LookaheadSnapKVConfig(ratio=0.25)
@@ -89,8 +95,13 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
     assert snapkv_config({"method": "lookahead", "lookahead": 4}, settings) == LookaheadSnapKVConfig(lookahead=4)
     with pytest.raises(Exception, match="not a setting of method adasnapkv"):
         snapkv_config({"method": "adasnapkv", "lookahead": 4}, settings)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "documents": DOCS, "max_tokens": 3,
-            "snapkv": {"method": "lookahead", "budget": 64, "window_size": 8, "lookahead": 2}}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "documents": DOCS,
+        "max_tokens": 3,
+        "snapkv": {"method": "lookahead", "budget": 64, "window_size": 8, "lookahead": 2},
+    }
     with running_server(tiny_engine) as (url, _):
         reply = httpx.post(url + "/v1/chat/completions", timeout=60, json=body)
     assert reply.status_code == 200, reply.text
@@ -102,8 +113,10 @@ def test_an_even_split_holds_snapkvs_cache_shapes_so_it_decodes_as_fast(tiny_eng
     shape (and bytes) of SnapKV's at the same budget; only which positions differ."""
     ids = tiny_engine.request(QUESTION, DOCS, "text").input_ids
     even = LookaheadSnapKVConfig(max_capacity_prompt=64, window_size=8, lookahead=4, floor=1.0)
-    ahead, plain = (tiny_engine.runner.prefill([ids], {"m": c}).compressed["m"][0]
-                    for c in (even, SnapKVConfig(max_capacity_prompt=64, window_size=8)))
+    ahead, plain = (
+        tiny_engine.runner.prefill([ids], {"m": c}).compressed["m"][0]
+        for c in (even, SnapKVConfig(max_capacity_prompt=64, window_size=8))
+    )
     assert ahead.kv_bytes() == plain.kv_bytes()
     for layer, positions in ahead.kept_positions().items():
         assert positions.shape == plain.kept_positions()[layer].shape and (positions >= 0).all(), layer
@@ -129,14 +142,15 @@ def test_guessed_tokens_count_only_while_the_pass_predicts_them(tiny_engine, mon
     draft pass runs (the next token, then the guesses)."""
     ids = tiny_engine.request(QUESTION, DOCS, "text").input_ids
     real, drafts = lookahead.draft_and_vote, []
-    monkeypatch.setattr(lookahead, "draft_and_vote",
-                        lambda *args: drafts.append(real(*args, speculate=False)) or drafts[-1])
+    monkeypatch.setattr(
+        lookahead, "draft_and_vote", lambda *args: drafts.append(real(*args, speculate=False)) or drafts[-1]
+    )
     one_by_one = kept(tiny_engine, ids, AHEAD)
     draft = drafts[0][0]
     assert len(draft) == 4 and lookahead.PAST_DRAFTS[tiny_engine.runner][-1] == draft  # for later guesses
 
     def guess(prompt, so_far, most, past):
-        wanted = draft[len(so_far):len(so_far) + most]
+        wanted = draft[len(so_far) : len(so_far) + most]
         return wanted[:right] + [(token + 1) % 100 for token in wanted[right:]]
 
     runner, lengths = tiny_engine.runner, []

@@ -5,15 +5,13 @@ LlamaIndex per-call options."""
 from __future__ import annotations
 
 import httpx
-import pytest
+from server_testing import running_server
+from snapkv_testing import filler_documents
 
 from evals.methods import parse_spec
-from server_testing import running_server
 from snapkv_rag import DocSnapKVConfig, SnapKVConfig
-from snapkv_rag.methods import selection as compression
 from snapkv_rag.cli import _config, build_parser
-
-from snapkv_testing import filler_documents
+from snapkv_rag.methods import selection as compression
 
 QUESTION = "Which harbour lies north?"
 DOC = DocSnapKVConfig(max_capacity_prompt=128, window_size=8)
@@ -39,11 +37,18 @@ def test_the_engine_binds_each_requests_spans(tiny_engine, monkeypatch):
 
 
 def test_the_server_takes_the_method_in_its_snapkv_field(tiny_engine):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "documents": filler_documents(4),
-            "max_tokens": 3}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "documents": filler_documents(4),
+        "max_tokens": 3,
+    }
     with running_server(tiny_engine) as (url, _):
-        good = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-            **body, "snapkv": {"method": "docsnapkv", "budget": 128, "window_size": 8}})
+        good = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=60,
+            json={**body, "snapkv": {"method": "docsnapkv", "budget": 128, "window_size": 8}},
+        )
         bad = httpx.post(url + "/v1/chat/completions", timeout=60, json={**body, "snapkv": {"method": "tova"}})
     assert good.status_code == 200, good.text
     assert good.json()["snapkv"]["compression"]["method"] == "docsnapkv"
@@ -67,11 +72,10 @@ def test_langchain_and_llamaindex_take_it_per_call(tiny_engine):
     from langchain_core.documents import Document
 
     chat = ChatSnapKV(engine=tiny_engine, max_new_tokens=3)
-    message = chat.invoke(QUESTION, documents=[Document(page_content=d["text"], metadata={"title": d["title"]})
-                                               for d in docs], snapkv=DOC)
+    message = chat.invoke(
+        QUESTION, documents=[Document(page_content=d["text"], metadata={"title": d["title"]}) for d in docs], snapkv=DOC
+    )
     assert message.response_metadata["compression"]["method"] == "docsnapkv"
     llm = SnapKVLLM(engine=tiny_engine, max_new_tokens=3)
     response = llm.complete(request.text, formatted=True, snapkv=DOC)
     assert response.additional_kwargs["compression"]["method"] == "docsnapkv"  # no documents: SnapKV's selection
-
-

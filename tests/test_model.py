@@ -7,11 +7,10 @@ import re
 
 import pytest
 import torch
+from snapkv_testing import capture_caches, filler_documents
 
 from snapkv_rag import SnapKVConfig
 from snapkv_rag.cli import DEMO_FILE
-
-from snapkv_testing import capture_caches, filler_documents
 
 pytestmark = pytest.mark.model
 
@@ -29,12 +28,13 @@ def test_budget_larger_than_prompt_equals_plain_generate(engine):
     ours = engine.generate(QUESTION, docs, snapkv=SnapKVConfig(max_capacity_prompt=1024), max_new_tokens=24)
     with torch.inference_mode():
         plain = engine.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
-    generated = plain[0, len(ids):].tolist()
+    generated = plain[0, len(ids) :].tolist()
     if generated and generated[-1] in engine.runner.eos_ids:
         generated = generated[:-1]
     assert ours.compression.kept_tokens == [len(ids)] * 30
-    assert engine.tokenizer.encode(ours.text, add_special_tokens=False) == generated or \
-        ours.text == engine.tokenizer.decode(generated, skip_special_tokens=True)
+    assert engine.tokenizer.encode(
+        ours.text, add_special_tokens=False
+    ) == generated or ours.text == engine.tokenizer.decode(generated, skip_special_tokens=True)
     assert ours.usage.completion_tokens == len(generated)
 
 

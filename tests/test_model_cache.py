@@ -40,8 +40,13 @@ def test_a_flipped_byte_is_detected(good_copy):
 @pytest.mark.parametrize("damage", ["no manifest", "no tokenizer", "bad manifest"])
 def test_missing_or_broken_files_are_detected(good_copy, tmp_path, damage):
     folder = tmp_path / "damaged"
-    shutil.copytree(good_copy, folder, copy_function=lambda src, dst: shutil.copy2(src, dst)
-                    if not src.endswith(".safetensors") else __import__("os").link(src, dst))
+    shutil.copytree(
+        good_copy,
+        folder,
+        copy_function=lambda src, dst: (
+            shutil.copy2(src, dst) if not src.endswith(".safetensors") else __import__("os").link(src, dst)
+        ),
+    )
     if damage == "no manifest":
         (folder / "snapkv-rag-manifest.json").unlink()
     elif damage == "no tokenizer":

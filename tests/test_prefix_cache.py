@@ -10,15 +10,14 @@ import logging
 import httpx
 import pytest
 import torch
-
-from snapkv_rag import DocSnapKVConfig, H2OConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
-from snapkv_rag.kv import tails
-from snapkv_rag.models.layer_kinds import FULL, RECURRENT, LayerSpec
-from snapkv_rag.kv.prefix_cache import Prefix, PrefixCache, PrefixLayer, boundary, unsupported
-
 from families import FAMILIES, tiny_model
 from server_testing import running_server
 from snapkv_testing import filler_documents
+
+from snapkv_rag import DocSnapKVConfig, H2OConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
+from snapkv_rag.kv import tails
+from snapkv_rag.kv.prefix_cache import Prefix, PrefixCache, PrefixLayer, boundary, unsupported
+from snapkv_rag.models.layer_kinds import FULL, RECURRENT, LayerSpec
 
 QUESTIONS = ["What lies north?", "Which castle is number 40?", "Where is the orchard that lies north of the river?"]
 WINDOW_8 = SnapKVConfig(max_capacity_prompt=64, window_size=8)
@@ -55,8 +54,13 @@ def test_split_prefill_keeps_the_same_positions(family, tokenizer):
     model = tiny_model(family, len(tokenizer))
     llm = SnapKVLLM(model=model, tokenizer=tokenizer, max_new_tokens=8)
     docs = filler_documents(6)
-    methods = {"w8": WINDOW_8, "w48": WINDOW_48, "doc": DocSnapKVConfig(max_capacity_prompt=128, window_size=16),
-               "streaming": StreamingLLMConfig(max_capacity_prompt=64), "full": None}
+    methods = {
+        "w8": WINDOW_8,
+        "w48": WINDOW_48,
+        "doc": DocSnapKVConfig(max_capacity_prompt=128, window_size=16),
+        "streaming": StreamingLLMConfig(max_capacity_prompt=64),
+        "full": None,
+    }
     for question in QUESTIONS[1:]:
         whole, split, at = _prefill_both(llm, question, docs, methods)
         assert split.cached_tokens == at > 300 and whole.cached_tokens == 0
@@ -169,9 +173,15 @@ def test_methods_and_models_that_are_not_cached_say_so(cached, uncached, caplog)
 def test_server_metrics_and_usage(cached):
     docs = filler_documents(4)
     with running_server(cached, max_documents=8) as (url, _):
+
         def ask(question, **extra):
-            body = {"model": "tiny", "messages": [{"role": "user", "content": question}], "documents": docs,
-                    "max_tokens": 6, **extra}
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": question}],
+                "documents": docs,
+                "max_tokens": 6,
+                **extra,
+            }
             return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
 
         first, second = ask(QUESTIONS[0]).json(), ask(QUESTIONS[1]).json()
@@ -205,7 +215,9 @@ def test_a_prefix_larger_than_the_cache_is_not_kept(tiny_model, tokenizer, uncac
     assert (stats.entries, stats.stored, stats.misses) == (0, 0, 2)
 
 
-NOT_CACHED = set() if tails.ONE_PASS else {"qwen3-next", "nemotron-h", "falcon-h1", "zamba", "zamba2", "lfm2", "lfm2-moe"}
+NOT_CACHED = (
+    set() if tails.ONE_PASS else {"qwen3-next", "nemotron-h", "falcon-h1", "zamba", "zamba2", "lfm2", "lfm2-moe"}
+)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -7,7 +7,14 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snapkv_rag.request.prompts import Document, format_documents, parse_citations, rag_user_message, strip_citations, to_documents
+from snapkv_rag.request.prompts import (
+    Document,
+    format_documents,
+    parse_citations,
+    rag_user_message,
+    strip_citations,
+    to_documents,
+)
 
 doc_text = st.text(max_size=300) | st.sampled_from(["[3]", "Question: who?", "[1][2]", "", "Documents:\n\n[9] x"])
 documents = st.lists(st.builds(Document, text=doc_text, title=st.none() | st.text(max_size=40)), max_size=40)
@@ -26,16 +33,19 @@ def test_prompt_numbers_every_document_in_order_and_ends_with_the_question(docs,
         position = found + 1
 
 
-@given(st.lists(st.integers(min_value=1, max_value=60), max_size=12), st.integers(min_value=0, max_value=60),
-       st.sampled_from(["[{}]", "[{}, {}]", "[{}][{}]", "[{}; {}]", "[{} and {}]", "[{},{},{}]"]),
-       st.text(max_size=30))
+@given(
+    st.lists(st.integers(min_value=1, max_value=60), max_size=12),
+    st.integers(min_value=0, max_value=60),
+    st.sampled_from(["[{}]", "[{}, {}]", "[{}][{}]", "[{}; {}]", "[{} and {}]", "[{},{},{}]"]),
+    st.text(max_size=30),
+)
 @settings(max_examples=300, deadline=None)
 def test_citations_map_to_exactly_the_cited_documents(numbers, num_docs, shape, filler):
     filler = re.sub(r"[\[\]0-9]", "", filler)  # the filler carries no citations of its own
     size = shape.count("{}")
     parts = []
     for i in range(0, len(numbers), size):
-        chunk = numbers[i:i + size]
+        chunk = numbers[i : i + size]
         parts.append(shape.format(*chunk) if len(chunk) == size else "".join(f"[{n}]" for n in chunk))
     text = filler.join(parts) + filler
     expected = []

@@ -8,12 +8,11 @@ import math
 
 import pytest
 import torch
+from families import tiny_model
+from snapkv_testing import filler_documents, seeded, tiny_llama
 
 from snapkv_rag import KeyNormConfig, KVzipConfig, SnapKVConfig, SnapKVLLM
 from snapkv_rag.methods.selection import key_norm_select, reread_scores
-
-from families import tiny_model
-from snapkv_testing import filler_documents, seeded, tiny_llama
 
 
 def reference_key_norm(k, cfg):
@@ -25,7 +24,7 @@ def reference_key_norm(k, cfg):
     kept = []
     for head in range(h_kv):
         scores = [-math.sqrt(sum(float(x) ** 2 for x in k[head, j])) for j in range(prefix)]
-        pooled = [max(scores[max(0, j - half): j + half + 1]) for j in range(prefix)]
+        pooled = [max(scores[max(0, j - half) : j + half + 1]) for j in range(prefix)]
         best = sorted(range(prefix), key=lambda j: (-pooled[j], j))[: cfg.max_capacity_prompt - cfg.window_size]
         kept.append(sorted(best) + list(range(prefix, length)))
     return kept
@@ -50,12 +49,21 @@ def test_key_norm_does_not_look_at_the_question():
     cfg = KeyNormConfig(max_capacity_prompt=16, window_size=4)
     g = seeded(4)
     k, v = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
-    picks = {tuple(cfg.select(torch.randn(1, 4, 40, 8, generator=g), k, v, None, 0, 2)[2].flatten().tolist())
-             for _ in range(3)}
+    picks = {
+        tuple(cfg.select(torch.randn(1, 4, 40, 8, generator=g), k, v, None, 0, 2)[2].flatten().tolist())
+        for _ in range(3)
+    }
     assert len(picks) == 1  # three different "questions", one selection
     snap = SnapKVConfig(max_capacity_prompt=16, window_size=4)
-    assert len({tuple(snap.select(torch.randn(1, 4, 40, 8, generator=g), k, v, None, 0, 2)[2].flatten().tolist())
-                for _ in range(3)}) > 1  # while SnapKV's depends on it
+    assert (
+        len(
+            {
+                tuple(snap.select(torch.randn(1, 4, 40, 8, generator=g), k, v, None, 0, 2)[2].flatten().tolist())
+                for _ in range(3)
+            }
+        )
+        > 1
+    )  # while SnapKV's depends on it
 
 
 @pytest.mark.parametrize("method", [KeyNormConfig, KVzipConfig], ids=["keynorm", "kvzip"])
@@ -123,7 +131,7 @@ def test_kvzip_keeps_what_the_models_own_attention_weights_say(tokenizer, share)
     length = len(ids)
     chosen_votes, rest_votes = [], []
     for layer, attn in enumerate(weights):
-        votes = attn[0, :, length:, :length - 8].reshape(2, 2, -1, length - 8).amax(dim=(1, 2))
+        votes = attn[0, :, length:, : length - 8].reshape(2, 2, -1, length - 8).amax(dim=(1, 2))
         for head in range(2):
             positions = [p for p in kept[layer][0, head].tolist() if p >= 0]
             assert positions[-8:] == list(range(length - 8, length))
@@ -143,8 +151,11 @@ def test_kvzip_beside_other_methods_leaves_them_as_alone(tiny_engine):
     """One pass holds the prompt and its re-read: the full cache, SnapKV and the first token must
     be those of a pass without it."""
     docs = filler_documents(4)
-    methods = {"full": None, "snapkv": SnapKVConfig(max_capacity_prompt=64, window_size=8),
-               "kvzip": KVzipConfig(max_capacity_prompt=64, window_size=8, share="head")}
+    methods = {
+        "full": None,
+        "snapkv": SnapKVConfig(max_capacity_prompt=64, window_size=8),
+        "kvzip": KVzipConfig(max_capacity_prompt=64, window_size=8, share="head"),
+    }
     both = tiny_engine.compare("Which harbour lies north?", docs, methods=methods, max_new_tokens=8)
     for name, config in methods.items():
         alone = tiny_engine.generate("Which harbour lies north?", docs, snapkv=config, max_new_tokens=8)
@@ -157,8 +168,11 @@ def test_kvzip_beside_other_methods_leaves_them_as_alone(tiny_engine):
 def test_kvzip_at_several_budgets_in_one_pass_keeps_what_each_keeps_alone(tiny_engine):
     """Budgets of the same settings share each layer's re-read scores; other settings get their own."""
     ids = tiny_engine.request("Which harbour lies north?", filler_documents(4), "text").input_ids
-    methods = {f"{b}{sinks}": KVzipConfig(max_capacity_prompt=b, window_size=8, sink_tokens=sinks)
-               for b in (48, 96) for sinks in (0, 4)}
+    methods = {
+        f"{b}{sinks}": KVzipConfig(max_capacity_prompt=b, window_size=8, sink_tokens=sinks)
+        for b in (48, 96)
+        for sinks in (0, 4)
+    }
     both = tiny_engine.runner.prefill([ids], methods).compressed
     for name, config in methods.items():
         alone = tiny_engine.runner.prefill([ids], {name: config}).compressed[name][0].kept_positions()
@@ -184,8 +198,19 @@ def test_kvzip_on_models_with_recurrent_layers_keeps_the_states_after_the_prompt
     assert both.results["kvzip"].raw_text == alone.raw_text and both.results["full"].raw_text == full.raw_text
     ids = llm.request("Which harbour?", docs, "text").input_ids
     plain = llm.runner.prefill([ids], {"full": None}).compressed["full"][0]
-    reread = llm.runner.prefill([ids], {"kvzip": KVzipConfig(max_capacity_prompt=64, window_size=8)}).compressed["kvzip"][0]
-    held = [(getattr(a, "state", a), getattr(b, "state", b)) for a, b, spec in zip(plain.layers, reread.layers,
-                                                                                    llm.runner.specs) if spec.state]
-    assert held and all((x[k] is None and y[k] is None) or torch.equal(x[k], y[k]) for a, b in held for name in ("conv_states", "recurrent_states")
-                        for x, y in [(getattr(a, name), getattr(b, name))] if isinstance(x, dict) for k in x)
+    reread = llm.runner.prefill([ids], {"kvzip": KVzipConfig(max_capacity_prompt=64, window_size=8)}).compressed[
+        "kvzip"
+    ][0]
+    held = [
+        (getattr(a, "state", a), getattr(b, "state", b))
+        for a, b, spec in zip(plain.layers, reread.layers, llm.runner.specs)
+        if spec.state
+    ]
+    assert held and all(
+        (x[k] is None and y[k] is None) or torch.equal(x[k], y[k])
+        for a, b in held
+        for name in ("conv_states", "recurrent_states")
+        for x, y in [(getattr(a, name), getattr(b, name))]
+        if isinstance(x, dict)
+        for k in x
+    )

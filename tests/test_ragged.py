@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from snapkv_testing import filler_documents
 
 from snapkv_rag import KVzipConfig, SnapKVLLM
-from snapkv_rag.methods.adaptive import EMPTY, keep_ranked
-from snapkv_rag.kv.prompt_cache import LayerKV
 from snapkv_rag.documents.files import META, _checksum
+from snapkv_rag.kv.prompt_cache import LayerKV
 from snapkv_rag.kv.ragged import pack, unpack
-from snapkv_testing import filler_documents
+from snapkv_rag.methods.adaptive import EMPTY, keep_ranked
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,8 +60,13 @@ def test_a_set_saved_in_the_first_format_loads_and_answers_the_same(tiny_model, 
     old = {}  # what the first format wrote: every layer padded
     for i, kv in enumerate(handle.entry().layers):
         if kv is not None:
-            old.update({f"layer.{i}.keys": kv.keys[0].contiguous(), f"layer.{i}.values": kv.values[0].contiguous(),
-                        f"layer.{i}.positions": kv.positions[0].contiguous()})
+            old.update(
+                {
+                    f"layer.{i}.keys": kv.keys[0].contiguous(),
+                    f"layer.{i}.values": kv.values[0].contiguous(),
+                    f"layer.{i}.positions": kv.positions[0].contiguous(),
+                }
+            )
     meta.update(format="snapkv-rag-documents/1", checksum=_checksum(old))
     save_file(old, str(tmp_path / "old.safetensors"), metadata={META: json.dumps(meta)})
     fresh = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, max_new_tokens=8)

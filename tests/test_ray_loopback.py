@@ -13,9 +13,9 @@ import time
 
 import httpx
 import pytest
+from test_serve_process import model_folder, serve  # noqa: F401  (model_folder: the tiny model's fixture)
 
 from snapkv_rag.server.ray_local import is_loopback, listening
-from test_serve_process import model_folder, serve  # noqa: F401  (model_folder: the tiny model's fixture)
 
 pytest.importorskip("ray.serve", reason="the ray extra (ray[serve]) is not installed")
 psutil = pytest.importorskip("psutil")
@@ -39,6 +39,7 @@ def ray_processes(server: psutil.Process, ray_dir: str) -> list[psutil.Process]:
 
 def drain(stream, lines: list[str]) -> threading.Thread:
     """Read the server's output as it comes (Ray's logs must not fill the pipe and stall it)."""
+
     def read() -> None:
         for line in stream:
             lines.append(line)
@@ -81,17 +82,23 @@ def test_a_self_started_cluster_listens_on_loopback_answers_and_stops_fast(model
         warned = " ".join(line for line in lines if WARNING in line)
         exposed = [s for s in sockets if not is_loopback(s[1])]
         assert all(name in warned for name, _, _ in exposed), f"not on loopback, not warned of: {exposed}"
-        reply = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                           json={"model": str(model_folder), "messages": [{"role": "user", "content": "Hi"}],
-                                 "max_tokens": 4})
+        reply = httpx.post(
+            url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+            json={"model": str(model_folder), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        )
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] is not None
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
 
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(STOP_BOUND_S) == 0
-        wait_for(lambda: not any(alive(p) for p in processes),
-                 max(1.0, STOP_BOUND_S - (time.monotonic() - sent)), "every Ray process gone after SIGTERM")
+        wait_for(
+            lambda: not any(alive(p) for p in processes),
+            max(1.0, STOP_BOUND_S - (time.monotonic() - sent)),
+            "every Ray process gone after SIGTERM",
+        )
         stopped_s = time.monotonic() - sent
     finally:  # a failed run leaves no process behind (psutil checks that a pid was not reused)
         process.kill()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families import tiny_model as family_model
+from snapkv_testing import filler_documents
+
 from snapkv_rag import KeyNormConfig, SnapKVLLM
 from snapkv_rag.kv import tails
 from snapkv_rag.kv.prompt_cache import PromptCache
-from snapkv_testing import filler_documents
 
 FAMILIES = ["lfm2", "qwen3-next", "falcon-h1", "zamba2", "nemotron-h"]
 QUESTIONS = ["What lies north?", "Which castle is number 40?"]
@@ -27,8 +27,12 @@ def _tail_logits(llm, entry, ids, one_pass: bool) -> torch.Tensor:
         if not one_pass:
             return tails.stepwise_tail(runner.forward, cache, prefix, ids, runner.device)[1]
         cache.compress = tails.tail_hook(cache, prefix.layers, entry.length, len(ids))
-        return runner.forward(torch.tensor([ids[entry.length:]], device=runner.device), None,
-                               torch.arange(entry.length, len(ids), device=runner.device)[None], cache)
+        return runner.forward(
+            torch.tensor([ids[entry.length :]], device=runner.device),
+            None,
+            torch.arange(entry.length, len(ids), device=runner.device)[None],
+            cache,
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,7 +55,7 @@ def test_both_tail_paths_answer_the_same(family, tokenizer):
     llm = SnapKVLLM(model=family_model(family, len(tokenizer)), tokenizer=tokenizer, max_new_tokens=8)
     handle = llm.index_documents(filler_documents(4), method=KeyNormConfig(ratio=0.5, window_size=8))
     answers = {}
-    for one_pass in ([True, False] if tails.ONE_PASS else [False]):
+    for one_pass in [True, False] if tails.ONE_PASS else [False]:
         llm.runner.one_pass_tail = one_pass
         answers[one_pass] = [handle.generate(q, ignore_eos=True).raw_text for q in QUESTIONS]
     assert len(set(map(tuple, answers.values()))) == 1 and all(len(a) for a in answers[False])

@@ -8,14 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from snapkv_testing import filler_documents
 
 from snapkv_rag import GenerationOutOfMemoryError, SnapKVConfig
 
-from snapkv_testing import filler_documents
-
 BUDGET = SnapKVConfig(max_capacity_prompt=64, window_size=8)
-QUESTIONS = [f"Which {topic} lies north of number {i}?" for i, topic in
-             enumerate(["river", "castle", "market", "orchard"] * 4)]
+QUESTIONS = [
+    f"Which {topic} lies north of number {i}?" for i, topic in enumerate(["river", "castle", "market", "orchard"] * 4)
+]
 
 
 def requests():
@@ -52,8 +52,9 @@ def test_streams_interleaved_across_threads_do_not_mix(tiny_engine):
 async def test_asyncio_tasks_get_their_sequential_answers_without_blocking_the_loop(tiny_engine, loop_watch):
     expected = [tiny_engine.generate(q, d, snapkv=BUDGET, max_new_tokens=6).text for q, d in requests()[:8]]
     async with loop_watch(tiny_engine.model) as watch:
-        answers = await asyncio.gather(*(tiny_engine.agenerate(q, d, snapkv=BUDGET, max_new_tokens=6)
-                                         for q, d in requests()[:8]))
+        answers = await asyncio.gather(
+            *(tiny_engine.agenerate(q, d, snapkv=BUDGET, max_new_tokens=6) for q, d in requests()[:8])
+        )
     streamed = [piece async for piece in tiny_engine.astream(*requests()[0], snapkv=BUDGET, max_new_tokens=6)]
     assert [a.text for a in answers] == expected
     assert "".join(streamed) == expected[0]

@@ -27,8 +27,14 @@ def draws(logits: torch.Tensor, slots: SamplingSlots, steps: int) -> torch.Tenso
 def test_greedy_rows_give_exactly_the_argmax_alone_and_beside_sampled_rows():
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)).to(torch.get_default_device())
     assert torch.equal(sample(logits, slots_for([None] * 4), 4), logits.argmax(-1))
-    mixed = slots_for([None, SamplingOptions(temperature=1.5, seed=1), SamplingOptions(temperature=0.0, top_p=0.5),
-                       SamplingOptions(temperature=2.0, top_p=0.3, seed=2)])
+    mixed = slots_for(
+        [
+            None,
+            SamplingOptions(temperature=1.5, seed=1),
+            SamplingOptions(temperature=0.0, top_p=0.5),
+            SamplingOptions(temperature=2.0, top_p=0.3, seed=2),
+        ]
+    )
     tokens = draws(logits, mixed, 5)
     assert torch.equal(tokens[:, [0, 2]], logits.argmax(-1)[[0, 2]].expand(5, 2))
 
@@ -46,8 +52,11 @@ def test_a_seeded_row_draws_the_same_tokens_alone_and_inside_a_batch(top_p):
 
 def test_different_seeds_and_unseeded_rows_draw_different_tokens():
     logits = torch.zeros(4, 1000, device=torch.get_default_device())  # uniform: any repeat is the seed's doing
-    tokens = draws(logits, slots_for([SamplingOptions(temperature=1.0, seed=s) for s in (1, 2)]
-                                     + [SamplingOptions(temperature=1.0)] * 2), 8)
+    tokens = draws(
+        logits,
+        slots_for([SamplingOptions(temperature=1.0, seed=s) for s in (1, 2)] + [SamplingOptions(temperature=1.0)] * 2),
+        8,
+    )
     columns = {tuple(tokens[:, row].tolist()) for row in range(4)}
     assert len(columns) == 4
 
@@ -70,8 +79,9 @@ def test_top_p_never_yields_a_token_outside_the_nucleus():
     generator = torch.Generator().manual_seed(2)
     logits = (3 * torch.randn(64, 50, generator=generator)).to(torch.get_default_device())
     top_p, temperature = 0.6, 1.4
-    tokens = draws(logits, slots_for([SamplingOptions(temperature=temperature, top_p=top_p, seed=s)
-                                      for s in range(64)]), 20)
+    tokens = draws(
+        logits, slots_for([SamplingOptions(temperature=temperature, top_p=top_p, seed=s) for s in range(64)]), 20
+    )
     probs, order = torch.softmax(logits / temperature, -1).sort(-1, descending=True)
     size = ((probs.cumsum(-1) - probs) < top_p).sum(-1)  # the smallest head whose mass reaches top_p
     for row in range(64):
@@ -119,8 +129,12 @@ def test_sampling_asks_the_host_nothing():
 
 def test_compiled_sample_draws_the_same_tokens_as_eager():
     logits = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).to(torch.get_default_device())
-    options = [SamplingOptions(temperature=1.1, top_p=0.9, seed=9), None,
-               SamplingOptions(temperature=0.6, seed=10), SamplingOptions(temperature=1.0, top_p=0.5, seed=11)]
+    options = [
+        SamplingOptions(temperature=1.1, top_p=0.9, seed=9),
+        None,
+        SamplingOptions(temperature=0.6, seed=10),
+        SamplingOptions(temperature=1.0, top_p=0.5, seed=11),
+    ]
     eager, compiled_slots = slots_for(options), slots_for(options)
     compiled = torch.compile(lambda lg, slots: sample(lg, slots, 4, "top_p"), fullgraph=True)
     for _ in range(3):

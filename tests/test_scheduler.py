@@ -9,21 +9,33 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from snapkv_testing import filler_documents
 
 from snapkv_rag import SnapKVConfig, SnapKVLLM, StreamingLLMConfig
 
-from snapkv_testing import filler_documents
-
-QUESTIONS = [f"Which {topic} lies north of number {i}?" for i, topic in
-             enumerate(["river", "castle", "market", "orchard"] * 4)]
+QUESTIONS = [
+    f"Which {topic} lies north of number {i}?" for i, topic in enumerate(["river", "castle", "market", "orchard"] * 4)
+]
 # unequal prompts (2..9 documents) and budgets, the full cache among them
-CONFIGS = [SnapKVConfig(max_capacity_prompt=64, window_size=8), False, SnapKVConfig(max_capacity_prompt=200),
-           StreamingLLMConfig(max_capacity_prompt=96), SnapKVConfig(ratio=0.5, min_capacity_prompt=16, window_size=8)]
+CONFIGS = [
+    SnapKVConfig(max_capacity_prompt=64, window_size=8),
+    False,
+    SnapKVConfig(max_capacity_prompt=200),
+    StreamingLLMConfig(max_capacity_prompt=96),
+    SnapKVConfig(ratio=0.5, min_capacity_prompt=16, window_size=8),
+]
 
 
 def workload():
-    return [dict(question=q, documents=filler_documents(2 + (i * 3) % 8), snapkv=CONFIGS[i % len(CONFIGS)],
-                 max_new_tokens=4 + i % 7) for i, q in enumerate(QUESTIONS)]
+    return [
+        dict(
+            question=q,
+            documents=filler_documents(2 + (i * 3) % 8),
+            snapkv=CONFIGS[i % len(CONFIGS)],
+            max_new_tokens=4 + i % 7,
+        )
+        for i, q in enumerate(QUESTIONS)
+    ]
 
 
 @pytest.fixture()
@@ -34,8 +46,9 @@ def batched(tiny_model, tokenizer):
 
 
 def alone(llm, args):
-    return llm.generate(args["question"], args["documents"], snapkv=args["snapkv"],
-                        max_new_tokens=args["max_new_tokens"])
+    return llm.generate(
+        args["question"], args["documents"], snapkv=args["snapkv"], max_new_tokens=args["max_new_tokens"]
+    )
 
 
 def test_sixteen_concurrent_requests_decode_together_and_get_their_lone_tokens(batched):
@@ -57,11 +70,15 @@ def test_sixteen_concurrent_requests_decode_together_and_get_their_lone_tokens(b
 
 def test_each_row_keeps_its_own_sampling_seed_stop_and_length(batched):
     docs = filler_documents(3)
-    specs = [dict(temperature=0.9, seed=7, max_new_tokens=9), dict(temperature=0.0, max_new_tokens=5),
-             dict(temperature=1.2, top_p=0.8, seed=11, max_new_tokens=7), dict(max_new_tokens=10, ignore_eos=True)]
+    specs = [
+        dict(temperature=0.9, seed=7, max_new_tokens=9),
+        dict(temperature=0.0, max_new_tokens=5),
+        dict(temperature=1.2, top_p=0.8, seed=11, max_new_tokens=7),
+        dict(max_new_tokens=10, ignore_eos=True),
+    ]
     expected = [batched.generate("What lies north?", docs, **spec) for spec in specs]
     text = expected[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3] if len(text) > 6 else None
+    stop = text[len(text) // 2 : len(text) // 2 + 3] if len(text) > 6 else None
     if stop and stop.strip():
         specs.append(dict(temperature=0.9, seed=7, max_new_tokens=9, stop=[stop]))
         expected.append(batched.generate("What lies north?", docs, **specs[-1]))
@@ -76,8 +93,12 @@ def test_each_row_keeps_its_own_sampling_seed_stop_and_length(batched):
 async def test_asyncio_callers_batch_on_one_event_loop(batched):
     args = workload()[:8]
     expected = [alone(batched, a).text for a in args]
-    results = await asyncio.gather(*(batched.agenerate(a["question"], a["documents"], snapkv=a["snapkv"],
-                                                       max_new_tokens=a["max_new_tokens"]) for a in args))
+    results = await asyncio.gather(
+        *(
+            batched.agenerate(a["question"], a["documents"], snapkv=a["snapkv"], max_new_tokens=a["max_new_tokens"])
+            for a in args
+        )
+    )
     assert [r.text for r in results] == expected
     assert max(r.timings.batch_size for r in results) > 1
 

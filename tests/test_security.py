@@ -27,9 +27,15 @@ def test_remote_code_is_not_run_unless_asked(tmp_path):
     folder = tmp_path / "custom"
     folder.mkdir()
     marker = tmp_path / "remote-code-ran"
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "snapkv_test_custom", "architectures": ["XModel"],
-        "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "snapkv_test_custom",
+                "architectures": ["XModel"],
+                "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"},
+            }
+        )
+    )
     code = f"open({str(marker)!r}, 'w').close()\n"
     (folder / "configuration_x.py").write_text(code)
     (folder / "modeling_x.py").write_text(code)
@@ -40,8 +46,11 @@ def test_remote_code_is_not_run_unless_asked(tmp_path):
 
 def test_pickled_weights_are_never_loaded(tmp_path):
     folder = tmp_path / "pickled"
-    shutil.copytree(loading.default_model_dir(), folder,
-                    ignore=shutil.ignore_patterns("model.safetensors", "snapkv-rag-manifest.json"))
+    shutil.copytree(
+        loading.default_model_dir(),
+        folder,
+        ignore=shutil.ignore_patterns("model.safetensors", "snapkv-rag-manifest.json"),
+    )
     marker = tmp_path / "unpickled"
     with open(folder / "pytorch_model.bin", "wb") as handle:
         pickle.dump(_Trap(marker), handle)

@@ -3,7 +3,6 @@ the exposure check, and SIGTERM (finish in-flight requests, or cancel them after
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,11 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from server_testing import free_port, sse_events
-from snapkv_rag.cli import main
 from snapkv_testing import tiny_llama
 
+from snapkv_rag.cli import main
 
 LONG = 250_000
 """Tokens the long request asks for (EOS ignored): to finish them within the shutdown timeout a
@@ -39,9 +37,13 @@ def serve(folder: Path, *flags: str):
     port = free_port()
     script = Path(sys.executable).with_name("snapkv-rag")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "snapkv_rag.cli"]
-    process = subprocess.Popen([*command, "serve", "--model", str(folder), "--port", str(port), *flags],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "SNAPKV_RAG_API_KEY": ""})
+    process = subprocess.Popen(
+        [*command, "serve", "--model", str(folder), "--port", str(port), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "SNAPKV_RAG_API_KEY": ""},
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -58,9 +60,14 @@ def serve(folder: Path, *flags: str):
 
 def stream_in_thread(url: str, folder: Path, max_tokens: int, ignore_eos: bool = False):
     events: list = []
-    body = {"model": str(folder), "messages": [{"role": "user", "content": "Tell me a story."}],
-            "max_tokens": max_tokens, "ignore_eos": ignore_eos, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": str(folder),
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
     def read():
         try:
@@ -88,13 +95,16 @@ def refused(url: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--host", "0.0.0.0"], "--host 0.0.0.0: listening beyond this machine without an API key"),
-    (["--max-batch", "0"], "--max-batch 0: must be at least 1"),
-    (["--port", "70000"], "--port 70000: must be at most 65535"),
-    (["--replicas", "0"], "--replicas 0: must be at least 1"),
-    (["--ray-address", "auto"], "--ray-address: only with --replicas"),
-])
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--host", "0.0.0.0"], "--host 0.0.0.0: listening beyond this machine without an API key"),
+        (["--max-batch", "0"], "--max-batch 0: must be at least 1"),
+        (["--port", "70000"], "--port 70000: must be at most 65535"),
+        (["--replicas", "0"], "--replicas 0: must be at least 1"),
+        (["--ray-address", "auto"], "--ray-address: only with --replicas"),
+    ],
+)
 def test_bad_serve_flags_are_refused_before_the_model_loads(capsys, flags, words):
     assert main(["serve", "--model", "no/such-model-anywhere", *flags]) == 2
     assert words in capsys.readouterr().err

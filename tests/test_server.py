@@ -4,12 +4,10 @@ compression, errors, limits, keys, metrics, and a disconnect that cancels its re
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
 import pytest
-
 from server_testing import running_server, sse_events
 from snapkv_testing import filler_documents
 
@@ -34,13 +32,17 @@ def test_chat_answer_is_the_engines_answer_with_usage_citations_and_compression(
     assert reply.status_code == 200, reply.text
     body = reply.json()
     from snapkv_rag import SnapKVConfig
+
     alone = tiny_engine.chat(ASK, docs, max_new_tokens=10, snapkv=SnapKVConfig(max_capacity_prompt=96))
     assert body["object"] == "chat.completion" and body["model"] == "tiny"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": alone.text}
     assert body["choices"][0]["finish_reason"] == alone.finish_reason
-    assert body["usage"] == {"prompt_tokens": alone.usage.prompt_tokens, "completion_tokens": 10,
-                             "total_tokens": alone.usage.prompt_tokens + 10,
-                             "prompt_tokens_details": {"cached_tokens": 0}}  # (the server's request came first)
+    assert body["usage"] == {
+        "prompt_tokens": alone.usage.prompt_tokens,
+        "completion_tokens": 10,
+        "total_tokens": alone.usage.prompt_tokens + 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }  # (the server's request came first)
     assert alone.usage.cached_tokens > 0  # the same documents again: their prefix came from the cache
     compression = body["snapkv"]["compression"]
     assert compression["kept_tokens"] == [96, 96] and compression["prompt_tokens"] > 96
@@ -72,8 +74,13 @@ def test_completions_and_models_and_health(server, tiny_engine):
 
 def test_streaming_concatenates_to_the_answer_and_ends_with_usage(server, tiny_engine):
     url, _ = server
-    body = {"model": "tiny", "messages": ASK, "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "messages": ASK,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", url + CHAT, json=body, timeout=60) as reply:
         assert reply.headers["content-type"].startswith("text/event-stream")
         events = list(sse_events(reply))
@@ -86,37 +93,52 @@ def test_streaming_concatenates_to_the_answer_and_ends_with_usage(server, tiny_e
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
-@pytest.mark.parametrize("body,status,param,words", [
-    (b"{not json", 400, None, "not valid JSON"),
-    (b"[1, 2]", 400, None, "JSON object"),
-    ({"messages": ASK}, 400, "model", "model"),
-    ({"model": "gpt-4", "messages": ASK}, 404, "model", "not served here"),
-    ({"model": "tiny", "messages": []}, 400, "messages", "non-empty"),
-    ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", "one of"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "string"),
-    ({"model": "tiny", "messages": ASK, "max_tokens": "ten"}, 400, "max_tokens", "integer"),
-    ({"model": "tiny", "messages": ASK, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
-    ({"model": "tiny", "messages": ASK, "temperature": True}, 400, "temperature", "number"),
-    ({"model": "tiny", "messages": ASK, "top_p": 0}, 400, "top_p", "(0, 1]"),
-    ({"model": "tiny", "messages": ASK, "stop": [1]}, 400, "stop", "strings"),
-    ({"model": "tiny", "messages": ASK, "n": 17}, 400, "n", "from 1 to 16"),
-    ({"model": "tiny", "messages": ASK, "n": 0}, 400, "n", "from 1 to 16"),
-    ({"model": "tiny", "messages": ASK, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "from 0 to 20"),
-    ({"model": "tiny", "messages": ASK, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
-    ({"model": "tiny", "messages": ASK, "logprobs": 3}, 400, "logprobs", "boolean"),
-    ({"model": "tiny", "messages": ASK, "tools": [{"type": "function"}]}, 400, "tools[0]", "expected"),
-    ({"model": "tiny", "messages": ASK, "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
-    ({"model": "tiny", "messages": ASK, "documents": "one"}, 400, "documents", "list"),
-    ({"model": "tiny", "messages": ASK, "documents": [{"title": "x"}]}, 400, "documents[0]", "text"),
-    ({"model": "tiny", "messages": ASK, "snapkv": {"max_capacity_prompt": 8}}, 400, "snapkv.max_capacity_prompt",
-     "larger than window_size"),
-    ({"model": "tiny", "messages": ASK, "snapkv": {"keep": 3}}, 400, "snapkv.keep", "unknown field"),
-    ({"model": "tiny", "messages": [{"role": "assistant", "content": "hi"}], "documents": ["d"]}, 400, "messages",
-     "last message"),
-    ({"model": "tiny", "messages": ASK, "max_tokens": 8190}, 400, "messages", "context window is 8192"),
-    ({"model": "tiny", "messages": ASK, "response_format": {"type": "json_schema"}}, 400, "response_format",
-     "needs 'json_schema'"),
-])
+@pytest.mark.parametrize(
+    "body,status,param,words",
+    [
+        (b"{not json", 400, None, "not valid JSON"),
+        (b"[1, 2]", 400, None, "JSON object"),
+        ({"messages": ASK}, 400, "model", "model"),
+        ({"model": "gpt-4", "messages": ASK}, 404, "model", "not served here"),
+        ({"model": "tiny", "messages": []}, 400, "messages", "non-empty"),
+        ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", "one of"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "string"),
+        ({"model": "tiny", "messages": ASK, "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+        ({"model": "tiny", "messages": ASK, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+        ({"model": "tiny", "messages": ASK, "temperature": True}, 400, "temperature", "number"),
+        ({"model": "tiny", "messages": ASK, "top_p": 0}, 400, "top_p", "(0, 1]"),
+        ({"model": "tiny", "messages": ASK, "stop": [1]}, 400, "stop", "strings"),
+        ({"model": "tiny", "messages": ASK, "n": 17}, 400, "n", "from 1 to 16"),
+        ({"model": "tiny", "messages": ASK, "n": 0}, 400, "n", "from 1 to 16"),
+        ({"model": "tiny", "messages": ASK, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "from 0 to 20"),
+        ({"model": "tiny", "messages": ASK, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
+        ({"model": "tiny", "messages": ASK, "logprobs": 3}, 400, "logprobs", "boolean"),
+        ({"model": "tiny", "messages": ASK, "tools": [{"type": "function"}]}, 400, "tools[0]", "expected"),
+        ({"model": "tiny", "messages": ASK, "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
+        ({"model": "tiny", "messages": ASK, "documents": "one"}, 400, "documents", "list"),
+        ({"model": "tiny", "messages": ASK, "documents": [{"title": "x"}]}, 400, "documents[0]", "text"),
+        (
+            {"model": "tiny", "messages": ASK, "snapkv": {"max_capacity_prompt": 8}},
+            400,
+            "snapkv.max_capacity_prompt",
+            "larger than window_size",
+        ),
+        ({"model": "tiny", "messages": ASK, "snapkv": {"keep": 3}}, 400, "snapkv.keep", "unknown field"),
+        (
+            {"model": "tiny", "messages": [{"role": "assistant", "content": "hi"}], "documents": ["d"]},
+            400,
+            "messages",
+            "last message",
+        ),
+        ({"model": "tiny", "messages": ASK, "max_tokens": 8190}, 400, "messages", "context window is 8192"),
+        (
+            {"model": "tiny", "messages": ASK, "response_format": {"type": "json_schema"}},
+            400,
+            "response_format",
+            "needs 'json_schema'",
+        ),
+    ],
+)
 def test_bad_input_gets_openai_error_bodies_never_a_500(server, body, status, param, words):
     url, _ = server
     reply = httpx.post(url + CHAT, content=body if isinstance(body, bytes) else json.dumps(body), timeout=60)
@@ -130,10 +152,11 @@ def test_bad_input_gets_openai_error_bodies_never_a_500(server, body, status, pa
 def test_too_many_documents_and_too_large_bodies_are_refused_before_tokenising(server, tiny_engine, monkeypatch):
     url, _ = server
     calls = []
-    monkeypatch.setattr(tiny_engine.tokenizer, "apply_chat_template",
-                        lambda *a, **k: calls.append(1) or "never")
+    monkeypatch.setattr(tiny_engine.tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or "never")
     reply = post(url, messages=ASK, documents=filler_documents(9))
-    assert reply.status_code == 400 and "9 documents, more than this server takes (8)" in reply.json()["error"]["message"]
+    assert (
+        reply.status_code == 400 and "9 documents, more than this server takes (8)" in reply.json()["error"]["message"]
+    )
     with running_server(tiny_engine, max_body_bytes=1000) as (small, _):
         big = post(small, messages=[{"role": "user", "content": "x" * 2000}])
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
@@ -200,11 +223,13 @@ def test_a_full_queue_gets_429_and_a_disconnected_stream_stops_generating(tiny_e
 
 def test_metrics_count_tokens_and_latency(server):
     url, _ = server
-    body = post(url, messages=ASK, documents=filler_documents(4), max_tokens=4,
-                snapkv={"max_capacity_prompt": 64}).json()
+    body = post(
+        url, messages=ASK, documents=filler_documents(4), max_tokens=4, snapkv={"max_capacity_prompt": 64}
+    ).json()
     text = httpx.get(url + "/metrics").text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
     assert values["snapkv_rag_prompt_tokens_total"] == body["usage"]["prompt_tokens"]
     assert values["snapkv_rag_kept_prompt_tokens_total"] == 64
     assert values["snapkv_rag_generation_tokens_total"] == 4
@@ -215,9 +240,9 @@ def test_metrics_count_tokens_and_latency(server):
 
 def test_ignore_eos_decodes_exactly_max_tokens(tokenizer):
     import torch
+    from snapkv_testing import tiny_llama
 
     from snapkv_rag import SnapKVLLM
-    from snapkv_testing import tiny_llama
 
     model = tiny_llama(len(tokenizer), seed=1)
     model.lm_head = torch.nn.Linear(64, len(tokenizer), bias=True)  # a model that always says end-of-sequence

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from server_testing import running_server
 from snapkv_testing import filler_documents
 
@@ -40,8 +39,17 @@ def _streamed(stream, n):
 
 def test_chat_n_choices_are_the_engines_with_seed_plus_i_and_usage_counts_the_prompt_once(client, tiny_engine):
     before = tiny_engine.stats().prefills
-    reply = client.chat.completions.create(model="tiny", messages=ASK, n=3, temperature=0.9, seed=5, max_tokens=8,
-                                           logprobs=True, top_logprobs=2, extra_body={"documents": DOCS})
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        n=3,
+        temperature=0.9,
+        seed=5,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"documents": DOCS},
+    )
     assert tiny_engine.stats().prefills - before == 1
     alone = [tiny_engine.chat(ASK, DOCS, temperature=0.9, seed=5 + i, max_new_tokens=8, logprobs=2) for i in range(3)]
     assert [c.index for c in reply.choices] == [0, 1, 2]
@@ -57,11 +65,21 @@ def test_chat_n_choices_are_the_engines_with_seed_plus_i_and_usage_counts_the_pr
 
 
 def test_chat_stream_with_n_and_logprobs_equals_the_plain_response(client):
-    options = dict(model="tiny", messages=ASK, n=2, temperature=0.8, seed=11, max_tokens=8, logprobs=True,
-                   top_logprobs=3, extra_body={"documents": DOCS})
+    options = dict(
+        model="tiny",
+        messages=ASK,
+        n=2,
+        temperature=0.8,
+        seed=11,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"documents": DOCS},
+    )
     plain = client.chat.completions.create(**options)
-    texts, entries, reasons, usage = _streamed(client.chat.completions.create(
-        **options, stream=True, stream_options={"include_usage": True}), 2)
+    texts, entries, reasons, usage = _streamed(
+        client.chat.completions.create(**options, stream=True, stream_options={"include_usage": True}), 2
+    )
     assert texts == [c.message.content for c in plain.choices]
     assert entries == [[e.model_dump() for e in c.logprobs.content] for c in plain.choices]
     assert reasons == [c.finish_reason for c in plain.choices]
@@ -100,7 +118,9 @@ def test_n_larger_than_the_batch_takes_turns(tiny_model, tokenizer):
     llm = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, max_new_tokens=6, max_batch=2)
     with running_server(llm, max_batch=2) as (url, _):
         reply = openai.OpenAI(base_url=url + "/v1", api_key="unused").chat.completions.create(
-            model="tiny", messages=ASK, n=5, temperature=1.0, seed=1, max_tokens=6)
+            model="tiny", messages=ASK, n=5, temperature=1.0, seed=1, max_tokens=6
+        )
     assert [c.index for c in reply.choices] == list(range(5))
     assert [c.message.content for c in reply.choices] == [
-        llm.chat(ASK, temperature=1.0, seed=1 + i, max_new_tokens=6).text for i in range(5)]
+        llm.chat(ASK, temperature=1.0, seed=1 + i, max_new_tokens=6).text for i in range(5)
+    ]

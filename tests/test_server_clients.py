@@ -8,7 +8,6 @@ import asyncio
 
 import openai
 import pytest
-
 from server_testing import running_server
 from snapkv_testing import filler_documents
 
@@ -31,8 +30,11 @@ def test_openai_sync_client_with_documents_and_extension_fields(server, tiny_eng
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
     docs = filler_documents(4)
     completion = client.chat.completions.create(
-        model="tiny", messages=ask(QUESTIONS[0]), max_tokens=6,
-        extra_body={"documents": docs, "snapkv": {"max_capacity_prompt": 64}})
+        model="tiny",
+        messages=ask(QUESTIONS[0]),
+        max_tokens=6,
+        extra_body={"documents": docs, "snapkv": {"max_capacity_prompt": 64}},
+    )
     alone = tiny_engine.chat(ask(QUESTIONS[0]), docs, max_new_tokens=6, snapkv=SnapKVConfig(max_capacity_prompt=64))
     assert completion.choices[0].message.content == alone.text
     assert completion.usage.prompt_tokens == alone.usage.prompt_tokens
@@ -51,20 +53,30 @@ def test_openai_response_format_json_schema_is_passed_to_the_engine(server):
 
     import jsonschema
 
-    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
-                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["color", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
-    reply = client.chat.completions.create(model="tiny", messages=ask("Pick a colour."), max_tokens=40,
-                                           response_format={"type": "json_schema",
-                                                            "json_schema": {"name": "pick", "schema": schema}})
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=ask("Pick a colour."),
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
+    )
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)  # random weights, valid JSON
 
 
 def test_openai_streaming_with_usage(server, tiny_engine):
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
-    stream = client.chat.completions.create(model="tiny", messages=ask(QUESTIONS[2]), max_tokens=7, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny", messages=ask(QUESTIONS[2]), max_tokens=7, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == tiny_engine.chat(ask(QUESTIONS[2]), max_new_tokens=7).text
@@ -77,23 +89,42 @@ async def test_openai_async_client_concurrent_requests_get_their_own_answers(ser
     client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused")
     docs = [filler_documents(n) for n in (2, 5, 3, 4)]  # unequal prompts, budgets and the full cache
     budgets = [64, False, 96, 200]
-    replies = await asyncio.gather(*(client.chat.completions.create(
-        model="tiny", messages=ask(q), max_tokens=6, extra_body={"documents": d, "snapkv": (
-            {"max_capacity_prompt": b} if b else False)}) for q, d, b in zip(QUESTIONS, docs, budgets)))
-    assert [r.choices[0].message.content for r in replies] == \
-        [tiny_engine.chat(ask(q), d, max_new_tokens=6, snapkv=b and SnapKVConfig(max_capacity_prompt=b)).text
-         for q, d, b in zip(QUESTIONS, docs, budgets)]
+    replies = await asyncio.gather(
+        *(
+            client.chat.completions.create(
+                model="tiny",
+                messages=ask(q),
+                max_tokens=6,
+                extra_body={"documents": d, "snapkv": ({"max_capacity_prompt": b} if b else False)},
+            )
+            for q, d, b in zip(QUESTIONS, docs, budgets)
+        )
+    )
+    assert [r.choices[0].message.content for r in replies] == [
+        tiny_engine.chat(ask(q), d, max_new_tokens=6, snapkv=b and SnapKVConfig(max_capacity_prompt=b)).text
+        for q, d, b in zip(QUESTIONS, docs, budgets)
+    ]
     assert [r.model_extra["snapkv"]["compression"]["kept_tokens"][0] for r in replies][::2] == [64, 96]
-    pieces = [c.choices[0].delta.content or "" async for c in await client.chat.completions.create(
-        model="tiny", messages=ask(QUESTIONS[0]), max_tokens=6, stream=True)]
+    pieces = [
+        c.choices[0].delta.content or ""
+        async for c in await client.chat.completions.create(
+            model="tiny", messages=ask(QUESTIONS[0]), max_tokens=6, stream=True
+        )
+    ]
     assert "".join(pieces) == tiny_engine.chat(ask(QUESTIONS[0]), max_new_tokens=6).text
 
 
 def test_langchain_chat_openai_invoke_stream_batch(server, tiny_engine):
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(base_url=server + "/v1", api_key="unused", model="tiny", max_tokens=6, temperature=0,
-                      extra_body={"documents": filler_documents(3)})
+    chat = ChatOpenAI(
+        base_url=server + "/v1",
+        api_key="unused",
+        model="tiny",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"documents": filler_documents(3)},
+    )
     expected = [tiny_engine.chat(ask(q), filler_documents(3), max_new_tokens=6).text for q in QUESTIONS]
     assert chat.invoke(QUESTIONS[0]).content == expected[0]
     assert "".join(chunk.content for chunk in chat.stream(QUESTIONS[1])) == expected[1]
@@ -106,9 +137,18 @@ def test_llamaindex_openai_like_in_a_query_engine(server, tiny_engine, monkeypat
 
     seen = []
     run = tiny_engine.astream_result  # the server's call into the engine, recorded to compare with
-    monkeypatch.setattr(tiny_engine, "astream_result", lambda prompt, docs, **o: seen.append(prompt) or run(prompt, docs, **o))
-    llm = OpenAILike(model="tiny", api_base=server + "/v1", api_key="unused", is_chat_model=True,
-                     context_window=8192, max_tokens=6, temperature=0)  # llama-index's default is 0.1
+    monkeypatch.setattr(
+        tiny_engine, "astream_result", lambda prompt, docs, **o: seen.append(prompt) or run(prompt, docs, **o)
+    )
+    llm = OpenAILike(
+        model="tiny",
+        api_base=server + "/v1",
+        api_key="unused",
+        is_chat_model=True,
+        context_window=8192,
+        max_tokens=6,
+        temperature=0,
+    )  # llama-index's default is 0.1
     facts = ["The harbour of Velmor was rebuilt in 1712.", "The orchard at Dunsby grows pears."]
     engine = SummaryIndex.from_documents([Document(text=t) for t in facts]).as_query_engine(llm=llm)
     response = engine.query("When was the harbour of Velmor rebuilt?")
@@ -118,13 +158,24 @@ def test_llamaindex_openai_like_in_a_query_engine(server, tiny_engine, monkeypat
 
 @pytest.mark.model
 def test_a_real_answer_from_the_embedded_model_through_the_openai_client(engine):
-    docs = [{"title": "Marie Curie", "text": "Marie Curie was a physicist and chemist who won the Nobel Prize in "
-             "Physics in 1903 and in Chemistry in 1911."},
-            {"title": "Eiffel Tower", "text": "The Eiffel Tower is a wrought-iron lattice tower in Paris, France, "
-             "completed in 1889."}]
+    docs = [
+        {
+            "title": "Marie Curie",
+            "text": "Marie Curie was a physicist and chemist who won the Nobel Prize in "
+            "Physics in 1903 and in Chemistry in 1911.",
+        },
+        {
+            "title": "Eiffel Tower",
+            "text": "The Eiffel Tower is a wrought-iron lattice tower in Paris, France, completed in 1889.",
+        },
+    ]
     with running_server(engine, model_name="SmolLM2-135M-Instruct") as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-        reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=32, extra_body={"documents": docs},
-                                               messages=ask("In which city is the Eiffel Tower?"))
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            max_tokens=32,
+            extra_body={"documents": docs},
+            messages=ask("In which city is the Eiffel Tower?"),
+        )
     assert "Paris" in reply.choices[0].message.content
     assert reply.model_extra["snapkv"]["compression"]["prompt_tokens"] == reply.usage.prompt_tokens

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
 from server_testing import free_port
 
 serve = pytest.importorskip("ray.serve", reason="the ray extra (ray[serve]) is not installed")
@@ -35,8 +34,11 @@ def cluster(tiny_model, tokenizer):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         engine = {"model": tiny_model, "tokenizer": tokenizer, "max_new_tokens": 12}
-        serve.run(application(engine, ServerSettings("tiny", api_key="secret", max_body_bytes=4000), 2),
-                  name="snapkv-rag", route_prefix="/")
+        serve.run(
+            application(engine, ServerSettings("tiny", api_key="secret", max_body_bytes=4000), 2),
+            name="snapkv-rag",
+            route_prefix="/",
+        )
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -44,13 +46,20 @@ def cluster(tiny_model, tokenizer):
 
 
 def ask(url: str, question: str) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", headers=KEY, timeout=120,
-                      json={"model": "tiny", "messages": [{"role": "user", "content": question}], "max_tokens": 6})
+    return httpx.post(
+        url + "/v1/chat/completions",
+        headers=KEY,
+        timeout=120,
+        json={"model": "tiny", "messages": [{"role": "user", "content": question}], "max_tokens": 6},
+    )
 
 
 def replica_names() -> set[str]:
-    return {a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("SERVE_REPLICA::snapkv-rag")}
+    return {
+        a["name"].rsplit("#", 1)[1]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::snapkv-rag")
+    }
 
 
 def running() -> int:
@@ -86,15 +95,22 @@ def test_key_limits_and_errors_hold_behind_the_proxy(cluster):
 
 def test_a_killed_replica_is_replaced_and_the_openai_client_loses_no_request(cluster):
     statuses: list[int] = []
-    client = openai.OpenAI(base_url=cluster + "/v1", api_key="secret", max_retries=2, http_client=httpx.Client(
-        timeout=120, event_hooks={"response": [lambda response: statuses.append(response.status_code)]}))
+    client = openai.OpenAI(
+        base_url=cluster + "/v1",
+        api_key="secret",
+        max_retries=2,
+        http_client=httpx.Client(
+            timeout=120, event_hooks={"response": [lambda response: statuses.append(response.status_code)]}
+        ),
+    )
     stop, answers, failures = threading.Event(), [], []
 
     def keep_asking(k: int) -> None:
         while not stop.is_set():
             try:
-                reply = client.chat.completions.create(model="tiny", max_tokens=12,
-                                                       messages=[{"role": "user", "content": QUESTIONS[k]}])
+                reply = client.chat.completions.create(
+                    model="tiny", max_tokens=12, messages=[{"role": "user", "content": QUESTIONS[k]}]
+                )
                 answers.append(reply.choices[0].message.content)
             except openai.OpenAIError as error:
                 failures.append(error)

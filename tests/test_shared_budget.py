@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from snapkv_testing import filler_documents, poisoning_empty_slots
 
 from snapkv_rag import KVzipConfig, SnapKVLLM
 from snapkv_rag.methods import shared_budget
 from snapkv_rag.methods.adaptive import EMPTY
 from snapkv_rag.methods.shared_budget import global_counts, keep_counts
-
-from snapkv_testing import filler_documents, poisoning_empty_slots
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUESTIONS = ["What lies north?", "Which castle is number 40?"]
@@ -100,7 +99,10 @@ def test_empty_slots_are_never_attended_over_a_handle_or_in_a_request(llm, tiny_
 
 
 def test_batch_equals_single_and_a_saved_set_answers_the_same(llm, tiny_model, tokenizer, tmp_path):
-    questions, docs = [QUESTIONS[0], "Name the orchard.", "What lies north?"], [DOCS, filler_documents(3), filler_documents(5)]
+    questions, docs = (
+        [QUESTIONS[0], "Name the orchard.", "What lies north?"],
+        [DOCS, filler_documents(3), filler_documents(5)],
+    )
     batch = llm.generate_batch(questions, docs, snapkv=MODEL, max_new_tokens=8, ignore_eos=True)
     single = [llm.generate(q, d, snapkv=MODEL, max_new_tokens=8, ignore_eos=True) for q, d in zip(questions, docs)]
     assert [r.raw_text for r in batch] == [r.raw_text for r in single]

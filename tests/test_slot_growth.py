@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from snapkv_testing import filler_documents
 
 from snapkv_rag import GenerationOutOfMemoryError, SnapKVLLM
 from snapkv_rag.kv.prompt_cache import LayerKV
 from snapkv_rag.kv.slot_cache import SlotCache
-from snapkv_testing import filler_documents
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,8 +44,9 @@ def out_of_memory_on_growth(monkeypatch):
     return arm
 
 
-def test_out_of_memory_while_growing_with_no_row_in_use_gives_the_memory_back(tiny_model, tokenizer,
-                                                                                out_of_memory_on_growth):
+def test_out_of_memory_while_growing_with_no_row_in_use_gives_the_memory_back(
+    tiny_model, tokenizer, out_of_memory_on_growth
+):
     llm = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, snapkv=False, max_new_tokens=8)
     docs = filler_documents(4)
     before = llm.generate("Which harbour lies north?", docs, ignore_eos=True)
@@ -66,8 +67,9 @@ def _prefilled(llm, docs: int):
     return llm.runner.prefill([ids], {"": None}).compressed[""][0]
 
 
-def test_out_of_memory_while_growing_leaves_the_rows_in_use_as_they_were(tiny_model, tokenizer,
-                                                                           out_of_memory_on_growth):
+def test_out_of_memory_while_growing_leaves_the_rows_in_use_as_they_were(
+    tiny_model, tokenizer, out_of_memory_on_growth
+):
     llm = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, snapkv=False)
     slots = llm.runner.new_slots(4)
     slots.join(0, _prefilled(llm, 1), room=4, token=1)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import FAMILIES, HYBRIDS, tiny_model
+from snapkv_testing import cache_kwarg, filler_documents
 from transformers import DynamicCache
 
-from families import FAMILIES, HYBRIDS, tiny_model
 from snapkv_rag import KeyNormConfig, SnapKVConfig, SnapKVLLM
 from snapkv_rag.models.layer_kinds import layer_specs, state_break
-from snapkv_testing import cache_kwarg, filler_documents
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,7 +58,7 @@ def continuation_gaps(model, ids: list[int], split: int) -> tuple[float, float]:
             cache = DynamicCache(config=model.config)
             _last_logits(model, ids[:split], cache)
             for at in range(split, len(ids), step):
-                logits = _last_logits(model, ids[at:at + step], cache, at)
+                logits = _last_logits(model, ids[at : at + step], cache, at)
             gaps.append(float((logits - whole).abs().max()))
     return gaps[0], gaps[1]
 
@@ -81,9 +81,8 @@ def test_the_table_of_families_that_restart_their_state_matches_transformers(nam
 
 def reference(model, ids: list[int]) -> list[int]:
     """transformers' own greedy tokens after ``ids`` (``NEW`` of them, end-of-sequence ignored)."""
-    out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                         pad_token_id=2)
-    return out[0, len(ids):].tolist()
+    out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=2)
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -108,8 +107,14 @@ def test_the_prefix_cache_never_changes_an_answer(name, tokenizer):
     assert (cached.prefix_stats().hits > 0) == splits, name
 
 
-@pytest.mark.parametrize("name", [n for n in ALL if n in HYBRIDS or n in (
-    "qwen3-next", "nemotron-h", "falcon-h1", "zamba", "zamba2", "lfm2", "lfm2-moe")])
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n in ALL
+        if n in HYBRIDS or n in ("qwen3-next", "nemotron-h", "falcon-h1", "zamba", "zamba2", "lfm2", "lfm2-moe")
+    ],
+)
 def test_a_question_over_stored_documents_equals_the_whole_prompt(name, tokenizer):
     """A document set stored whole (``KeyNormConfig(ratio=1.0)`` keeps every position), then a
     question over it: the tail runs on from the stored states (one pass, or one token per step where
@@ -140,8 +145,12 @@ def test_a_prompt_prefilled_in_slices_equals_one_pass(name, tokenizer):
     one = SnapKVLLM(model=model, tokenizer=tokenizer, max_new_tokens=NEW, prefill_chunk=None)
     ids = one.request(QUESTIONS[1], docs).input_ids
     with torch.inference_mode():
-        torch.testing.assert_close(sliced.runner.prefill([ids], {"": None}).logits,
-                                   one.runner.prefill([ids], {"": None}).logits, rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            sliced.runner.prefill([ids], {"": None}).logits,
+            one.runner.prefill([ids], {"": None}).logits,
+            rtol=0,
+            atol=1e-4,
+        )
     for config in (False, SNAPKV):
         a = sliced.generate(QUESTIONS[1], docs, snapkv=config, ignore_eos=True)
         b = one.generate(QUESTIONS[1], docs, snapkv=config, ignore_eos=True)

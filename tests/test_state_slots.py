@@ -12,10 +12,10 @@ import asyncio
 
 import pytest
 import torch
-
 from families import tiny_model
-from snapkv_rag import SnapKVConfig, SnapKVLLM
 from snapkv_testing import filler_documents
+
+from snapkv_rag import SnapKVConfig, SnapKVLLM
 
 HYBRID = ["bamba", "granitemoehybrid", "jamba", "kimi-linear", "qwen3-next", "lfm2", "falcon-h1", "zamba2"]
 BUDGET = SnapKVConfig(max_capacity_prompt=48, window_size=8)
@@ -38,8 +38,10 @@ def llm(request, tokenizer):
 
 
 def _alone(llm, new=NEW) -> list:
-    return [llm.generate(q, filler_documents(d), snapkv=BUDGET, max_new_tokens=n, ignore_eos=True)
-            for q, d, n in zip(QUESTIONS, DOCS, new)]
+    return [
+        llm.generate(q, filler_documents(d), snapkv=BUDGET, max_new_tokens=n, ignore_eos=True)
+        for q, d, n in zip(QUESTIONS, DOCS, new)
+    ]
 
 
 def test_rows_joining_and_leaving_keep_each_rows_state(llm):
@@ -47,8 +49,12 @@ def test_rows_joining_and_leaving_keep_each_rows_state(llm):
     assert all(r.timings.batch_size == 1 for r in alone)
 
     async def all_at_once():  # submitted together (one event loop tick), decoded as they join
-        return await asyncio.gather(*(llm.agenerate(q, filler_documents(d), snapkv=BUDGET, max_new_tokens=n,
-                                                    ignore_eos=True) for q, d, n in zip(QUESTIONS, DOCS, NEW)))
+        return await asyncio.gather(
+            *(
+                llm.agenerate(q, filler_documents(d), snapkv=BUDGET, max_new_tokens=n, ignore_eos=True)
+                for q, d, n in zip(QUESTIONS, DOCS, NEW)
+            )
+        )
 
     together = asyncio.run(all_at_once())
     assert [r.usage.completion_tokens for r in together] == NEW
@@ -59,8 +65,9 @@ def test_rows_joining_and_leaving_keep_each_rows_state(llm):
 def test_generate_batch_equals_single_calls(llm):
     alone = _alone(llm, [12] * len(QUESTIONS))
     # batch_size 3: the 4th and 5th requests join rows the first ones leave, mid-run
-    batch = llm.generate_batch(QUESTIONS, [filler_documents(d) for d in DOCS], snapkv=BUDGET, batch_size=3,
-                               max_new_tokens=12, ignore_eos=True)
+    batch = llm.generate_batch(
+        QUESTIONS, [filler_documents(d) for d in DOCS], snapkv=BUDGET, batch_size=3, max_new_tokens=12, ignore_eos=True
+    )
     assert [r.raw_text for r in batch] == [r.raw_text for r in alone]
     assert max(r.timings.batch_size for r in batch) == 3
 
@@ -75,9 +82,16 @@ def _states_after(llm, prompts: list[list[int]], steps: int) -> list[dict]:
         slots.join(row, pre.compressed[""][0], room=steps + 1, token=int(pre.logits[0].argmax()))
     for _ in range(steps):
         runner.decode_step(slots, slots.batch_rows())
-    return [{(i, name, n): t[row].clone() for i, fields in slots.states.buffers.items()
-             for name, per_index in fields.items() for n, t in per_index.items() if t is not None}
-            for row in range(len(prompts))]
+    return [
+        {
+            (i, name, n): t[row].clone()
+            for i, fields in slots.states.buffers.items()
+            for name, per_index in fields.items()
+            for n, t in per_index.items()
+            if t is not None
+        }
+        for row in range(len(prompts))
+    ]
 
 
 def test_each_rows_conv_and_ssm_states_are_those_it_has_alone(llm):
@@ -123,8 +137,9 @@ def test_a_kv_memory_limit_counts_each_rows_conv_and_ssm_states(tokenizer):
     # room for the K/V of several rows, but the Mamba states of one row (tens of KB) exceed what is left
     llm = SnapKVLLM(model=model, tokenizer=tokenizer, max_new_tokens=8, max_kv_bytes=int(4 * kv_row))
     try:
-        batch = llm.generate_batch(QUESTIONS, [filler_documents(d) for d in DOCS], snapkv=BUDGET, max_new_tokens=8,
-                                   ignore_eos=True)
+        batch = llm.generate_batch(
+            QUESTIONS, [filler_documents(d) for d in DOCS], snapkv=BUDGET, max_new_tokens=8, ignore_eos=True
+        )
     finally:
         llm.close()
     assert [r.raw_text for r in batch] == [r.raw_text for r in alone]

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import tiny_model as family_model
+from snapkv_testing import filler_documents
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from snapkv_rag import SnapKVConfig, SnapKVLLM
 from snapkv_rag.documents.stitch import common_suffix, most_deviating, rotary_of, rotate_keys
-
-from families import tiny_model as family_model
-from snapkv_testing import filler_documents
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUESTIONS = ["What lies north?", "Which castle is number 40?"]
@@ -28,9 +27,11 @@ def test_a_rotated_key_is_the_key_computed_at_its_new_position(tiny_model):
     rotary = rotary_of(tiny_model)
     raw = torch.randn(1, 2, 5, 16)
     at = torch.arange(3, 8)[None]
+
     def rope(positions):
         cos, sin = rotary(raw, positions)
         return apply_rotary_pos_emb(raw, raw, cos, sin)[0]
+
     for shift in (11, -2):
         cos, sin = rotary(raw, torch.tensor([[shift]]))
         assert torch.allclose(rotate_keys(rope(at), cos[0, 0], sin[0, 0]), rope(at + shift), atol=1e-5)

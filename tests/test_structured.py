@@ -8,21 +8,25 @@ import json
 import jsonschema
 import pytest
 import torch
+from snapkv_testing import filler_documents
 
 from snapkv_rag import SchemaError, SnapKVConfig, StreamingLLMConfig
 from snapkv_rag.request import cited
+from snapkv_rag.request.structured import apply_masks, closing_path, compile_format
 from snapkv_rag.runtime.sampling import SamplingOptions
 from snapkv_rag.runtime.scheduler import Outcome
-from snapkv_rag.request.structured import apply_masks, closing_path, compile_format
-
-from snapkv_testing import filler_documents
 
 # bounded: enums, integers in a range and booleans, so that even random weights finish the JSON
-BOUNDED = {"type": "object", "properties": {
-    "color": {"enum": ["red", "green", "blue"]},
-    "n": {"type": "integer", "minimum": 0, "maximum": 9},
-    "ok": {"type": "boolean"}},
-    "required": ["color", "n", "ok"], "additionalProperties": False}
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["color", "n", "ok"],
+    "additionalProperties": False,
+}
 
 
 def _format(engine, response_format=BOUNDED):
@@ -35,7 +39,7 @@ def test_masks_disallow_padding_columns_and_leave_free_rows_alone(tiny_engine, t
     before = logits.clone()
     apply_masks(logits, [None, fmt.new_constraint(), None])
     assert torch.equal(logits[[0, 2]], before[[0, 2]])
-    assert torch.isinf(logits[1, len(tokenizer):]).all()
+    assert torch.isinf(logits[1, len(tokenizer) :]).all()
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert allowed and all(tokenizer.decode([i]).startswith("{") for i in allowed)  # a JSON object starts
     untouched = before.clone()
@@ -79,12 +83,20 @@ def test_generate_parses_and_stream_concatenates(tiny_engine, sampling):
 
 
 def test_batch_and_compare_hold_every_row_to_the_schema(tiny_engine):
-    results = tiny_engine.generate_batch(["Pick a colour.", "What lies north?"], [None, filler_documents(3)],
-                                         response_format=BOUNDED, max_new_tokens=40)
-    comparison = tiny_engine.compare("What lies north?", filler_documents(8), response_format=BOUNDED,
-                                     max_new_tokens=40, methods={"full": None, "snapkv": SnapKVConfig(
-                                         max_capacity_prompt=64, window_size=8), "streaming": StreamingLLMConfig(
-                                         max_capacity_prompt=64)})
+    results = tiny_engine.generate_batch(
+        ["Pick a colour.", "What lies north?"], [None, filler_documents(3)], response_format=BOUNDED, max_new_tokens=40
+    )
+    comparison = tiny_engine.compare(
+        "What lies north?",
+        filler_documents(8),
+        response_format=BOUNDED,
+        max_new_tokens=40,
+        methods={
+            "full": None,
+            "snapkv": SnapKVConfig(max_capacity_prompt=64, window_size=8),
+            "streaming": StreamingLLMConfig(max_capacity_prompt=64),
+        },
+    )
     for result in [*results, *comparison.results.values()]:
         assert result.finish_reason == "stop"
         jsonschema.validate(result.parsed, BOUNDED)
@@ -113,20 +125,25 @@ def test_structured_default_max_new_tokens(tiny_model, tokenizer):
     assert given._options({"response_format": BOUNDED}, given.request("q?"))[0].max_new_tokens == 20
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "cannot be compiled"),
-    ("a string", "expected a pydantic model class"),
-    ({"type": "json_schema", "json_schema": {"name": "x"}}, "'schema'"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "cannot be compiled"),
+        ("a string", "expected a pydantic model class"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "'schema'"),
+    ],
+)
 def test_bad_schema_raises_before_prefill(tiny_engine, monkeypatch, bad, message):
     def no_prefill(*args, **kwargs):
         raise AssertionError("prefill ran")
 
     monkeypatch.setattr("snapkv_rag.runtime.runner.Runner.prefill", no_prefill)
-    calls = [lambda: tiny_engine.generate("q?", response_format=bad),
-             lambda: tiny_engine.stream("q?", response_format=bad),
-             lambda: tiny_engine.generate_batch(["q?"], response_format=bad),
-             lambda: tiny_engine.compare("q?", methods={"full": None}, response_format=bad)]
+    calls = [
+        lambda: tiny_engine.generate("q?", response_format=bad),
+        lambda: tiny_engine.stream("q?", response_format=bad),
+        lambda: tiny_engine.generate_batch(["q?"], response_format=bad),
+        lambda: tiny_engine.compare("q?", methods={"full": None}, response_format=bad),
+    ]
     for call in calls:
         with pytest.raises(SchemaError, match=message) as caught:
             call()
@@ -160,15 +177,22 @@ def test_cite_json_prompt_keeps_the_question_last(tiny_engine):
 
 def _result_after(tokenizer, text: str, documents: int, end: bool):
     """A result whose constraint has read ``text`` (and an end-of-sequence token if ``end``)."""
-    from snapkv_rag.request.results import CompressionStats, GenerationResult, Timings, Usage
     from snapkv_rag.request.prompts import Document
+    from snapkv_rag.request.results import CompressionStats, GenerationResult, Timings, Usage
 
     constraint = compile_format(tokenizer, cited.cite_schema(documents), len(tokenizer), {2}).new_constraint()
     for token in tokenizer(text, add_special_tokens=False).input_ids + ([2] if end else []):
         constraint.accept(token)
-    result = GenerationResult(text=text, citations=[], usage=Usage(1, 1), compression=CompressionStats(
-        "full", 1, [1], 1.0, 1, 1, 0.0), timings=Timings(0.0, 0.0), finish_reason="stop" if end else "length",
-        documents=[Document(f"doc {i}") for i in range(documents)], raw_text=text)
+    result = GenerationResult(
+        text=text,
+        citations=[],
+        usage=Usage(1, 1),
+        compression=CompressionStats("full", 1, [1], 1.0, 1, 1, 0.0),
+        timings=Timings(0.0, 0.0),
+        finish_reason="stop" if end else "length",
+        documents=[Document(f"doc {i}") for i in range(documents)],
+        raw_text=text,
+    )
     return cited.finish(result, constraint, "json")
 
 
@@ -182,9 +206,11 @@ def test_cited_answer_fields_come_from_the_json(tokenizer):
 
 
 # unbounded strings: random weights, left alone, wander inside the first one until max_new_tokens
-UNBOUNDED = {"type": "object", "properties": {"setup": {"type": "string"}, "punchline": {"type": "string"},
-                                              "rating": {"type": "integer"}},
-             "required": ["setup", "punchline"]}
+UNBOUNDED = {
+    "type": "object",
+    "properties": {"setup": {"type": "string"}, "punchline": {"type": "string"}, "rating": {"type": "integer"}},
+    "required": ["setup", "punchline"],
+}
 
 
 def test_closing_path_is_the_cheapest_way_to_complete_the_json(tokenizer):
@@ -204,8 +230,12 @@ def test_an_unbounded_string_is_closed_before_the_budget_ends_and_parses(tiny_en
         assert result.finish_reason == "stop" and result.usage.completion_tokens <= budget
         jsonschema.validate(result.parsed, UNBOUNDED)
     # the same request compared across methods: each decode closes within the budget
-    comparison = tiny_engine.compare("Tell me a joke.", filler_documents(4), response_format=UNBOUNDED,
-                                     max_new_tokens=24, methods={"full": None, "snapkv": SnapKVConfig(
-                                         max_capacity_prompt=64, window_size=8)})
+    comparison = tiny_engine.compare(
+        "Tell me a joke.",
+        filler_documents(4),
+        response_format=UNBOUNDED,
+        max_new_tokens=24,
+        methods={"full": None, "snapkv": SnapKVConfig(max_capacity_prompt=64, window_size=8)},
+    )
     for result in comparison.results.values():
         assert result.finish_reason == "stop" and result.parsed is not None

@@ -10,9 +10,11 @@ from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.model
 
-DOCS = ["The Eiffel Tower is in Paris, France. It was completed in 1889 and is 330 metres tall.",
-        "Mount Fuji, 3776 metres high, is the highest mountain in Japan.",
-        "Hamlet is a tragedy written by William Shakespeare around 1600."]
+DOCS = [
+    "The Eiffel Tower is in Paris, France. It was completed in 1889 and is 330 metres tall.",
+    "Mount Fuji, 3776 metres high, is the highest mountain in Japan.",
+    "Hamlet is a tragedy written by William Shakespeare around 1600.",
+]
 
 
 class Landmark(BaseModel):
@@ -21,32 +23,59 @@ class Landmark(BaseModel):
 
 
 SCHEMAS = {
-    "enum + integer range": {"type": "object", "properties": {
-        "country": {"enum": ["France", "Japan", "England"]},
-        "year": {"type": "integer", "minimum": 1800, "maximum": 1950}},
-        "required": ["country", "year"], "additionalProperties": False},
-    "nested objects + array min/max items": {"type": "object", "properties": {
-        "place": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 30},
-            "height": {"type": "object", "properties": {"metres": {"type": "integer", "minimum": 1, "maximum": 9000}},
-                       "required": ["metres"], "additionalProperties": False}},
-            "required": ["city", "height"], "additionalProperties": False},
-        "facts": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 2, "maxItems": 3}},
-        "required": ["place", "facts"], "additionalProperties": False},
+    "enum + integer range": {
+        "type": "object",
+        "properties": {
+            "country": {"enum": ["France", "Japan", "England"]},
+            "year": {"type": "integer", "minimum": 1800, "maximum": 1950},
+        },
+        "required": ["country", "year"],
+        "additionalProperties": False,
+    },
+    "nested objects + array min/max items": {
+        "type": "object",
+        "properties": {
+            "place": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 30},
+                    "height": {
+                        "type": "object",
+                        "properties": {"metres": {"type": "integer", "minimum": 1, "maximum": 9000}},
+                        "required": ["metres"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["city", "height"],
+                "additionalProperties": False,
+            },
+            "facts": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 2, "maxItems": 3},
+        },
+        "required": ["place", "facts"],
+        "additionalProperties": False,
+    },
     "pydantic model": Landmark,
     "json_object": {"type": "json_object"},
 }
 
 
-@pytest.mark.parametrize("labels, sampling", [
-    (list(SCHEMAS), {}),
-    (["enum + integer range", "nested objects + array min/max items"], {"temperature": 0.9, "top_p": 0.95, "seed": 7}),
-], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "labels, sampling",
+    [
+        (list(SCHEMAS), {}),
+        (
+            ["enum + integer range", "nested objects + array min/max items"],
+            {"temperature": 0.9, "top_p": 0.95, "seed": 7},
+        ),
+    ],
+    ids=["greedy", "sampled"],
+)
 def test_answers_parse_and_validate_against_each_schema(engine, labels, sampling):
     for label in labels:
         response_format = SCHEMAS[label]
-        result = engine.generate("Tell me about the Eiffel Tower.", DOCS, response_format=response_format,
-                                 max_new_tokens=120, **sampling)
+        result = engine.generate(
+            "Tell me about the Eiffel Tower.", DOCS, response_format=response_format, max_new_tokens=120, **sampling
+        )
         assert result.finish_reason == "stop", (label, result.raw_text)
         assert result.parsed == json.loads(result.text), label
         if response_format == {"type": "json_object"}:

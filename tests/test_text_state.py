@@ -8,8 +8,12 @@ import pytest
 
 from snapkv_rag.request.text import TextState
 
-UNICODE = ["東京は日本の首都です。富士山は高い。", "Crème brûlée à la française, s'il vous plaît",
-           "👨‍👩‍👧 family 🎉🚀 done", "naïve café — Ελληνικά, русский, हिन्दी"]
+UNICODE = [
+    "東京は日本の首都です。富士山は高い。",
+    "Crème brûlée à la française, s'il vous plaît",
+    "👨‍👩‍👧 family 🎉🚀 done",
+    "naïve café — Ελληνικά, русский, हिन्दी",
+]
 
 
 class CountingTokenizer:
@@ -95,6 +99,6 @@ def test_work_per_push_does_not_grow_with_the_answer(tokenizer):
     assert sum(counting.calls) <= 2 * (TextState.HOLD + 1) * len(ids)
     # the last 50 pushes decode no more than the first 50 did
     per_push = len(counting.calls) / len(ids)
-    tail = counting.calls[-int(50 * per_push):]
-    head = counting.calls[:int(50 * per_push)]
+    tail = counting.calls[-int(50 * per_push) :]
+    head = counting.calls[: int(50 * per_push)]
     assert sum(tail) <= 1.5 * sum(head)

@@ -7,18 +7,48 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from snapkv_rag.request.text import encode_request
 from snapkv_rag.request.tools import ANSWER_FROM_RESULTS, TOOLS_PREAMBLE, ToolPlan, check_tools
 
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"]}}}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
-LOOP = [{"role": "user", "content": "What is 2 + 3?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
-        {"role": "tool", "content": "5", "tool_call_id": "call_1", "name": "add"}]
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["a", "b"],
+        },
+    },
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        },
+    },
+}
+LOOP = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+        ],
+    },
+    {"role": "tool", "content": "5", "tool_call_id": "call_1", "name": "add"},
+]
 
 
 def test_template_without_tools_section_gets_tools_calls_and_results_as_text(tokenizer):
@@ -36,21 +66,28 @@ def test_template_with_tools_section_renders_through_the_template(tokenizer):
         "{% if tools %}TOOLS{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
         "{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}{% for c in m.tool_calls %}CALL "
         "{{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m.content }}"
-        "{% endif %}{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\n{% endfor %}assistant:")
+        "{% endif %}{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\n{% endfor %}assistant:"
+    )
     text = encode_request(templated, LOOP, None, "", check_tools([ADD, WEATHER])).text
     assert text.startswith("TOOLS add get_weather")  # (the template's newlines are trimmed after tags)
     assert 'assistant:CALL add {"a": 2, "b": 3}' in text and "tool:5 (call_1)" in text
     assert TOOLS_PREAMBLE not in text
 
 
-@pytest.mark.parametrize("tools, choice, error", [
-    ("add", None, "tools: expected a list"),
-    ([{"type": "function", "function": {"description": "no name"}}], None, r"tools\[0\].function.name"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None,
-     r"tools\[0\].function.parameters: expected a JSON schema of an object"),
-    ([ADD], "subtract", "tool_choice: expected one of"),
-    (None, "required", "tool_choice: given without tools"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, error",
+    [
+        ("add", None, "tools: expected a list"),
+        ([{"type": "function", "function": {"description": "no name"}}], None, r"tools\[0\].function.name"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+            None,
+            r"tools\[0\].function.parameters: expected a JSON schema of an object",
+        ),
+        ([ADD], "subtract", "tool_choice: expected one of"),
+        (None, "required", "tool_choice: given without tools"),
+    ],
+)
 def test_bad_tools_and_tool_choice_are_named(tools, choice, error):
     with pytest.raises((TypeError, ValueError), match=error):
         ToolPlan.of(tools, choice, "user")
@@ -68,8 +105,9 @@ def test_tool_choice_plans():
 
 @pytest.mark.parametrize("choice, names", [("required", {"add", "get_weather"}), ("get_weather", {"get_weather"})])
 def test_a_call_always_parses_and_names_a_bound_tool(tiny_engine, choice, names):
-    result = tiny_engine.chat([{"role": "user", "content": "Weather in Rome?"}], tools=[ADD, WEATHER],
-                              tool_choice=choice, max_new_tokens=40)
+    result = tiny_engine.chat(
+        [{"role": "user", "content": "Weather in Rome?"}], tools=[ADD, WEATHER], tool_choice=choice, max_new_tokens=40
+    )
     assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1
     call = result.tool_calls[0]
     assert call["name"] in names and call["id"].startswith("call_")
@@ -88,8 +126,11 @@ def test_after_a_tool_result_auto_answers_in_text(tiny_engine):
 
 
 def test_streamed_call_ends_with_the_result_carrying_it(tiny_engine):
-    items = list(tiny_engine.stream_result([{"role": "user", "content": "2+3?"}], tools=[ADD], tool_choice="add",
-                                           max_new_tokens=40))
+    items = list(
+        tiny_engine.stream_result(
+            [{"role": "user", "content": "2+3?"}], tools=[ADD], tool_choice="add", max_new_tokens=40
+        )
+    )
     final = items[-1]
     assert final.tool_calls and "".join(items[:-1]) == final.text
     assert final.tool_calls[0]["arguments"] == json.loads(final.text)["arguments"]
@@ -102,5 +143,6 @@ def test_a_call_cut_by_max_new_tokens_is_no_call(tiny_engine):
 
 def test_tool_call_and_response_format_together_is_refused(tiny_engine):
     with pytest.raises(ValueError, match="response_format: cannot be combined with a tool call"):
-        tiny_engine.chat([{"role": "user", "content": "hi"}], tools=[ADD], tool_choice="add",
-                         response_format={"type": "json_object"})
+        tiny_engine.chat(
+            [{"role": "user", "content": "hi"}], tools=[ADD], tool_choice="add", response_format={"type": "json_object"}
+        )

@@ -9,12 +9,12 @@ import json
 import httpx
 import pytest
 import torch
-
-from evals.__main__ import main as evals_main
 from server_testing import running_server
-from snapkv_rag.methods import METHODS, method_class
 from snapkv_testing import filler_documents
 from toy_method import RecentConfig
+
+from evals.__main__ import main as evals_main
+from snapkv_rag.methods import METHODS, method_class
 
 QUESTION = "Which harbour lies north?"
 
@@ -49,20 +49,40 @@ def test_a_query_agnostic_method_is_stored_and_asked_again(registered, tiny_engi
 def test_the_server_takes_it_by_name(registered, tiny_engine):
     with running_server(tiny_engine) as (url, _):
         long = " ".join(d["text"] for d in filler_documents(3)) + " " + QUESTION  # no documents: no stored-set path
-        body = {"model": "tiny", "messages": [{"role": "user", "content": long}], "max_tokens": 3,
-                "snapkv": {"method": "recent", "budget": 48}}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": long}],
+            "max_tokens": 3,
+            "snapkv": {"method": "recent", "budget": 48},
+        }
         reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         compression = reply.json()["snapkv"]["compression"]
         assert compression["method"] == "recent" and compression["kept_tokens"] == [48, 48]
-        bad = httpx.post(url + "/v1/chat/completions", json={**body, "snapkv": {"method": "recent", "window_size": 8}},
-                         timeout=60)
+        bad = httpx.post(
+            url + "/v1/chat/completions", json={**body, "snapkv": {"method": "recent", "window_size": 8}}, timeout=60
+        )
         assert bad.status_code == 400 and "not a setting of method recent" in bad.json()["error"]["message"]
 
 
 def test_the_evals_run_it(registered, tmp_path, tiny_engine):
-    args = ["--datasets", "kv", "--num-docs", "5", "--gold-positions", "first", "--num-questions", "1",
-            "--methods", "full,recent@64", "--max-new-tokens", "3", "--no-progress", "--out", str(tmp_path)]
+    args = [
+        "--datasets",
+        "kv",
+        "--num-docs",
+        "5",
+        "--gold-positions",
+        "first",
+        "--num-questions",
+        "1",
+        "--methods",
+        "full,recent@64",
+        "--max-new-tokens",
+        "3",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    ]
     assert evals_main(args, engine=tiny_engine) == 0
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     recent = [r for r in rows if r["method"] == "recent@64"]

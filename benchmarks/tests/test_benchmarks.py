@@ -35,9 +35,11 @@ def _embedded_model_available() -> bool:
 
 # The exact standing GPU command of benchmarks/README.md, in tiny mode on the CPU, from a copy of the
 # tracked tree in which the installed package is hidden: what the GPU machine gets.
-HIDE_INSTALLED = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in repr(f)]; "
-                  "sys.path[:] = [p for p in sys.path if '__editable__' not in p]; "
-                  "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+HIDE_INSTALLED = (
+    "import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in repr(f)]; "
+    "sys.path[:] = [p for p in sys.path if '__editable__' not in p]; "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 # Packages the project installs that the GPU image lacks (its package list: benchmarks/README.md, GPU):
@@ -51,8 +53,13 @@ sys.modules.update(dict.fromkeys({GPU_IMAGE_ABSENT!r}))  # None: `import` fails,
 
 def _copied_tree(tmp_path: Path) -> Path:
     root = HERE.parent
-    files = subprocess.run(["git", "ls-files", "pyproject.toml", "snapkv_rag", "benchmarks", "evals", "tests"], cwd=root, check=True,
-                           capture_output=True, text=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "pyproject.toml", "snapkv_rag", "benchmarks", "evals", "tests"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     tree = tmp_path / "tree"
     for name in files:
         if (root / name).is_file():
@@ -69,19 +76,58 @@ def test_gpu_check_runs_from_a_copied_tree_without_the_package(tmp_path: Path) -
     (image / "sitecustomize.py").write_text(ABSENT_ON_IMAGE)
     # no third-party pytest plugins: the ones installed here (langsmith's needs pydantic) are not there
     env = {**ENV, "PYTHONPATH": os.pathsep.join([".", str(image)]), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    probe = subprocess.run([sys.executable, "-c", HIDE_INSTALLED.replace("runpy.run_path(sys.argv[0], "
-                            "run_name='__main__')", "import snapkv_rag; print(snapkv_rag.__file__)"), "x"],
-                           cwd=tree, env=env, capture_output=True, text=True, check=True)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            HIDE_INSTALLED.replace(
+                "runpy.run_path(sys.argv[0], run_name='__main__')", "import snapkv_rag; print(snapkv_rag.__file__)"
+            ),
+            "x",
+        ],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert probe.stdout.strip().startswith(str(tree))  # the copy's package, not the installed one
-    absent = subprocess.run([sys.executable, "-c", "import xgrammar"], cwd=tree, env=env, capture_output=True, text=True)
+    absent = subprocess.run(
+        [sys.executable, "-c", "import xgrammar"], cwd=tree, env=env, capture_output=True, text=True
+    )
     assert absent.returncode != 0 and "ModuleNotFoundError" in absent.stderr
-    subprocess.run([sys.executable, "-c", HIDE_INSTALLED, "benchmarks/gpu_check.py", str(out), "--tiny",
-                    "--device", "cpu", "--time-budget-s", "400", "--tests-k", "budget_above_prompt",
-                    "--grid-share", "0.85", "--tests-s", "100"],
-                   cwd=tree, env=env, check=True, timeout=480)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            HIDE_INSTALLED,
+            "benchmarks/gpu_check.py",
+            str(out),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--time-budget-s",
+            "400",
+            "--tests-k",
+            "budget_above_prompt",
+            "--grid-share",
+            "0.85",
+            "--tests-s",
+            "100",
+        ],
+        cwd=tree,
+        env=env,
+        check=True,
+        timeout=480,
+    )
     check = json.loads((out / "gpu_check.json").read_text())
-    assert set(check["steps"]) == {"gpu_decode", "gpu_concurrent", "engine_tests_float32", "engine_tests_bfloat16",
-                                   "evals_smoke"}
+    assert set(check["steps"]) == {
+        "gpu_decode",
+        "gpu_concurrent",
+        "engine_tests_float32",
+        "engine_tests_bfloat16",
+        "evals_smoke",
+    }
     assert all(step["status"] == "passed" for step in check["steps"].values()), check["steps"]
     assert check["passed"] and check["wall_s"] < 400
     assert len(list(out.iterdir())) <= 8  # what a lent machine sends back
@@ -97,7 +143,9 @@ def test_gpu_check_runs_from_a_copied_tree_without_the_package(tmp_path: Path) -
             assert c["status"] == "ok" and c["batch_seen"] == cell["batch"], (method, cell)
             assert c["tokens_per_s"] == pytest.approx(cell["batch"] * 1000 / c["decode_ms_per_token"])
             assert c["floor_ms_per_token"] > 0 and c["tokens_per_s_vs_one_request"] > 0
-        assert cell["ceiling"] == pytest.approx(cell["full"]["floor_ms_per_token"] / cell["snapkv"]["floor_ms_per_token"])
+        assert cell["ceiling"] == pytest.approx(
+            cell["full"]["floor_ms_per_token"] / cell["snapkv"]["floor_ms_per_token"]
+        )
         assert "full_compiled" not in cell
     report = json.loads((out / "gpu_decode.json").read_text())
     assert report["ended"] == "finished" and report["copy_bandwidth_bytes_per_s"] > 0
@@ -116,16 +164,37 @@ def test_gpu_check_runs_from_a_copied_tree_without_the_package(tmp_path: Path) -
         assert cell["full"]["kept_tokens_max"] == cell["full_compiled"]["kept_tokens_max"] == cell["size"]
         for suffix in ("", "_compiled"):  # each speedup beside the ceiling the floors allow
             assert cell["ceiling" + suffix] == pytest.approx(
-                cell["full"]["floor_ms_per_token"] / cell["snapkv"]["floor_ms_per_token"])
+                cell["full"]["floor_ms_per_token"] / cell["snapkv"]["floor_ms_per_token"]
+            )
             assert cell["fraction_of_ceiling" + suffix] == pytest.approx(cell["speedup" + suffix] / cell["ceiling"])
     assert set(entry["longest"]) == {"full", "snapkv"}
 
 
 def test_gpu_decode_killed_mid_run_leaves_valid_partial_results(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    run = subprocess.Popen([sys.executable, "gpu_decode.py", str(out), "--tiny", "--device", "cpu", "--no-compile",
-                            "--steps", "3", "--sizes", "160", "320", "640", "1280", "--no-longest"], cwd=HERE, env=ENV,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "gpu_decode.py",
+            str(out),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--steps",
+            "3",
+            "--sizes",
+            "160",
+            "320",
+            "640",
+            "1280",
+            "--no-longest",
+        ],
+        cwd=HERE,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     path, deadline = out / "gpu_decode.json", time.monotonic() + 240
     try:
         while time.monotonic() < deadline and run.poll() is None:
@@ -208,7 +277,9 @@ def test_load_benchmark_quick_runs_every_system_and_stops(tmp_path: Path) -> Non
             assert 0 < level["ttft_p50_s"] <= level["ttft_p95_s"] <= level["latency_p95_s"]
     inprocess = report["inprocess"]
     assert len(inprocess["prefill_alone_s"]) == 3 and all(s > 0 for s in inprocess["prefill_alone_s"])
-    assert all(step["batch_seen"] == step["batch"] and step["step_s"] > 0 for step in inprocess["decode_steps"].values())
+    assert all(
+        step["batch_seen"] == step["batch"] and step["step_s"] > 0 for step in inprocess["decode_steps"].values()
+    )
     for key in ("6x1", "6x3", "10x3"):
         ideal = inprocess["ideal"][key]
         assert ideal["wall_s"] == pytest.approx(ideal["prefill_s"] + ideal["decode_s"], abs=0.01)
@@ -242,8 +313,13 @@ def test_peer_presses_pairs_each_method_of_ours_against_kvpresss_best_press():
     import peer_presses
 
     def row(i, ours_ada, press_a, press_b):
-        texts = {"ours:full": "Paris", "kvpress:full": "Paris", "ours:snapkv@25%": "Lyon",
-                 "kvpress:snapkv@25%": "Paris" if press_a else "Lyon", "kvpress:tova@25%": "Paris" if press_b else "Lyon"}
+        texts = {
+            "ours:full": "Paris",
+            "kvpress:full": "Paris",
+            "ours:snapkv@25%": "Lyon",
+            "kvpress:snapkv@25%": "Paris" if press_a else "Lyon",
+            "kvpress:tova@25%": "Paris" if press_b else "Lyon",
+        }
         if ours_ada is not None:
             texts["ours:adasnapkv@25%"] = "Paris" if ours_ada else "Lyon"
         return {"example_id": f"nq-{i}", "dataset": "nq", "num_docs": 10, "answers": ["Paris"], "texts": texts}
@@ -254,7 +330,9 @@ def test_peer_presses_pairs_each_method_of_ours_against_kvpresss_best_press():
     assert ada["best_press"] == "kvpress:snapkv@25%"  # 3 of 4 identical against TOVA's 1 of 4
     assert ada["n"] == 3 and abs(ada["diff"] - (1 + 1 + 0 - (1 + 0 + 1)) / 3) < 1e-9  # prompts 1-3 only
     assert found[("nq N=10", "ours:snapkv@25%")]["diff"] == -0.75
-    assert "| nq N=10 | 25% | ours:adasnapkv@25% | kvpress:snapkv@25% | 3 |" in peer_presses.markdown(peer_presses.report(rows))
+    assert "| nq N=10 | 25% | ours:adasnapkv@25% | kvpress:snapkv@25% | 3 |" in peer_presses.markdown(
+        peer_presses.report(rows)
+    )
     tied = [row(0, True, True, True), row(1, False, False, False)]  # SnapKV and TOVA tie: the first by name, every run
     assert {r["best_press"] for r in peer_presses.report(tied)["vs_best_press"]} == {"kvpress:snapkv@25%"}
 
@@ -268,10 +346,19 @@ def test_peer_presses_sets_keep_the_grid_order_and_the_report_plots_fidelity_aga
     assert [e.id for e in nq] == [e.id for e in peer_presses.examples(15) if e.dataset == "nq"][:6]
     with pytest.raises(ValueError, match="nq30"):
         peer_presses.examples(3, ("nq10", "nq30"))
-    texts = {"ours:full": "Paris", "kvpress:full": "Paris", "ours:snapkv@25%": "Paris", "ours:snapkv@50%": "Paris",
-             "ours:lookahead@25%": "Lyon", "kvpress:adakv@25%": "Lyon", "kvpress:adakv@50%": "Paris"}
-    rows = [{"example_id": f"nq-{i}", "dataset": "nq", "num_docs": 10, "answers": ["Paris"], "texts": texts}
-            for i in range(3)]
+    texts = {
+        "ours:full": "Paris",
+        "kvpress:full": "Paris",
+        "ours:snapkv@25%": "Paris",
+        "ours:snapkv@50%": "Paris",
+        "ours:lookahead@25%": "Lyon",
+        "kvpress:adakv@25%": "Lyon",
+        "kvpress:adakv@50%": "Paris",
+    }
+    rows = [
+        {"example_id": f"nq-{i}", "dataset": "nq", "num_docs": 10, "answers": ["Paris"], "texts": texts}
+        for i in range(3)
+    ]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     peer_presses.write_report(tmp_path)
     assert (tmp_path / "fidelity_vs_budget.png").stat().st_size > 1000
@@ -313,8 +400,13 @@ def test_peer_presses_backfill_runs_only_the_missing_methods_and_checks_the_full
     budget = round(0.25 * len(llm.request(example.question, list(example.documents), "text").input_ids))
     full = peer_presses.our_side(llm, example, {0.25: budget}, args, only=set())[0]["ours:full"]
     older = [f"ours:{name}@25%" for name in peer_presses.our_configs(64) if "lookahead" not in name]
-    row = {"example_id": example.id, "budgets": {"25%": budget}, "texts": {"ours:full": full, **dict.fromkeys(older, "x")},
-           "kept": {}, "selection_ms": {}}  # a row from before lookahead SnapKV
+    row = {
+        "example_id": example.id,
+        "budgets": {"25%": budget},
+        "texts": {"ours:full": full, **dict.fromkeys(older, "x")},
+        "kept": {},
+        "selection_ms": {},
+    }  # a row from before lookahead SnapKV
     calls, compare = [], llm.compare
     monkeypatch.setattr(llm, "compare", lambda *a, **k: calls.append(set(k["methods"])) or compare(*a, **k))
     filled = peer_presses.backfill(llm, row, example, args)

@@ -9,8 +9,21 @@ import pytest
 from evals.__main__ import main
 from evals.paired import pair_rows, write
 
-ARGS = ["--datasets", "kv", "--num-docs", "5", "--gold-positions", "first,last", "--num-questions", "1",
-        "--methods", "full,snapkv@64", "--max-new-tokens", "40", "--no-progress"]
+ARGS = [
+    "--datasets",
+    "kv",
+    "--num-docs",
+    "5",
+    "--gold-positions",
+    "first,last",
+    "--num-questions",
+    "1",
+    "--methods",
+    "full,snapkv@64",
+    "--max-new-tokens",
+    "40",
+    "--no-progress",
+]
 
 
 def test_json_rows_take_citations_and_answer_from_the_json(tmp_path, tiny):
@@ -35,9 +48,21 @@ def test_json_rows_take_citations_and_answer_from_the_json(tmp_path, tiny):
 
 
 def _row(example, method, citations, f1, **extra):
-    return {"example_id": example, "method": method, "question": "q", "answers": ["a"], "gold_docs": [2],
-            "num_docs": 5, "gold_position": "middle", "citations": citations, "cit_precision": float(2 in citations),
-            "cit_recall": float(2 in citations), "cit_f1": float(2 in citations), "f1": f1, **extra}
+    return {
+        "example_id": example,
+        "method": method,
+        "question": "q",
+        "answers": ["a"],
+        "gold_docs": [2],
+        "num_docs": 5,
+        "gold_position": "middle",
+        "citations": citations,
+        "cit_precision": float(2 in citations),
+        "cit_recall": float(2 in citations),
+        "cit_f1": float(2 in citations),
+        "f1": f1,
+        **extra,
+    }
 
 
 def test_paired_report_differences_and_mismatch(tmp_path):

@@ -4,16 +4,30 @@ from __future__ import annotations
 
 import json
 import subprocess
-
-import pytest
 import sys
 from pathlib import Path
 
-from evals.__main__ import main as evals_main
-from snapkv_rag.cli import build_parser, main as cli_main
+import pytest
 
-ARGS = ["--datasets", "kv", "--num-docs", "4", "--gold-positions", "first,last", "--num-questions", "1",
-        "--methods", "full,snapkv@40", "--max-new-tokens", "3", "--no-progress"]
+from evals.__main__ import main as evals_main
+from snapkv_rag.cli import build_parser
+from snapkv_rag.cli import main as cli_main
+
+ARGS = [
+    "--datasets",
+    "kv",
+    "--num-docs",
+    "4",
+    "--gold-positions",
+    "first,last",
+    "--num-questions",
+    "1",
+    "--methods",
+    "full,snapkv@40",
+    "--max-new-tokens",
+    "3",
+    "--no-progress",
+]
 STABLE = ("example_id", "method", "budget", "text", "f1", "hit_rate", "kept_tokens", "prompt_tokens")
 
 

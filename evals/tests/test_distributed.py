@@ -18,10 +18,27 @@ from evals.__main__ import main
 from evals.tests.tiny import tiny_engine
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = ["--datasets", "kv,needle,lines", "--num-docs", "kv=5,8", "--num-docs", "needle=200", "--num-docs", "lines=6",
-        "--gold-positions", "every",
-        "--depths", "0,100", "--num-questions", "2", "--methods", "full,snapkv@64,streaming@50%",
-        "--max-new-tokens", "4", "--no-progress"]
+ARGS = [
+    "--datasets",
+    "kv,needle,lines",
+    "--num-docs",
+    "kv=5,8",
+    "--num-docs",
+    "needle=200",
+    "--num-docs",
+    "lines=6",
+    "--gold-positions",
+    "every",
+    "--depths",
+    "0,100",
+    "--num-questions",
+    "2",
+    "--methods",
+    "full,snapkv@64,streaming@50%",
+    "--max-new-tokens",
+    "4",
+    "--no-progress",
+]
 TIMING = {"prefill_s", "decode_ms_per_token", "selection_ms"}
 
 
@@ -37,8 +54,10 @@ def _table(out: Path) -> list[dict]:
 @pytest.fixture
 def bounded():
     """Fail, rather than hang the suite, if the Ray run takes over 10 minutes (2 minutes on 2 busy cores)."""
+
     def stop(signum, frame):
         raise TimeoutError("the Ray test ran over 600 s")
+
     previous = signal.signal(signal.SIGALRM, stop)
     signal.alarm(600)
     yield
@@ -47,8 +66,7 @@ def bounded():
 
 
 @pytest.mark.heavy
-def test_ray_run_equals_single_process_through_an_actor_kill_and_a_resume(tmp_path, tiny, monkeypatch, capsys,
-                                                                          bounded):
+def test_ray_run_equals_single_process_through_an_actor_kill_and_a_resume(tmp_path, tiny, monkeypatch, capsys, bounded):
     pytest.importorskip("ray")
     from evals import distributed
 
@@ -70,6 +88,7 @@ def test_ray_run_equals_single_process_through_an_actor_kill_and_a_resume(tmp_pa
             if k == 3 and not killed:  # mid-run: prompts are queued on both actors
                 killed["pid"] = self.infos[0]["pid"]
                 os.kill(killed["pid"], signal.SIGKILL)
+
         path = run(self, *args, on_result=on_result, **kwargs)
         killed["after"] = self.pids()[0]
         return path
@@ -89,21 +108,32 @@ def test_ray_run_equals_single_process_through_an_actor_kill_and_a_resume(tmp_pa
 
 
 def test_ray_is_imported_only_with_the_ray_option(tmp_path):
-    code = ("import sys; from evals.__main__ import main; from evals.tests.tiny import tiny_engine; "
-            f"main(['--datasets', 'kv', '--num-docs', '3', '--gold-positions', 'first', '--num-questions', '1', "
-            f"'--methods', 'full', '--max-new-tokens', '1', '--no-progress', '--out', {str(tmp_path)!r}], "
-            "engine=tiny_engine()); print('ray imported:', 'ray' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    code = (
+        "import sys; from evals.__main__ import main; from evals.tests.tiny import tiny_engine; "
+        f"main(['--datasets', 'kv', '--num-docs', '3', '--gold-positions', 'first', '--num-questions', '1', "
+        f"'--methods', 'full', '--max-new-tokens', '1', '--no-progress', '--out', {str(tmp_path)!r}], "
+        "engine=tiny_engine()); print('ray imported:', 'ray' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ray imported: False" in done.stdout
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--ray-workers", "2"], "only with --ray"),
-    (["--ray", "--ray-workers", "0"], "must be >= 1"),
-    (["--ray", "--measure-sharing", "2"], "not with --ray"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ray-workers", "2"], "only with --ray"),
+        (["--ray", "--ray-workers", "0"], "must be >= 1"),
+        (["--ray", "--measure-sharing", "2"], "not with --ray"),
+    ],
+)
 def test_bad_ray_options_are_clear(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
         main([*argv, "--out", str(tmp_path)])
@@ -114,9 +144,14 @@ def test_ray_auto_without_a_cluster_says_so_in_one_line(tmp_path):
     naming the problem and both ways out, no traceback, a failing exit status."""
     pytest.importorskip("ray")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run([sys.executable, "-m", "evals", *ARGS, "--ray", "auto", "--out", str(tmp_path / "out")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**env, "RAY_TMPDIR": str(tmp_path / "ray"), "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-m", "evals", *ARGS, "--ray", "auto", "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "RAY_TMPDIR": str(tmp_path / "ray"), "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode != 0
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]

@@ -2,8 +2,15 @@
 
 import pytest
 
-from evals.metrics import (answer_scores, citation_scores, exact_match, fidelity_scores, normalize_answer,
-                           subspan_exact_match, token_f1)
+from evals.metrics import (
+    answer_scores,
+    citation_scores,
+    exact_match,
+    fidelity_scores,
+    normalize_answer,
+    subspan_exact_match,
+    token_f1,
+)
 
 
 def test_squad_normalisation():
@@ -38,8 +45,11 @@ def test_answer_scores_strip_citations_and_take_the_best_answer():
 
 def test_citation_precision_recall_f1():
     assert citation_scores([1, 3], [3]) == {"cit_precision": 0.5, "cit_recall": 1.0, "cit_f1": pytest.approx(2 / 3)}
-    assert citation_scores([2], [2, 5, 7]) == {"cit_precision": 1.0, "cit_recall": pytest.approx(1 / 3),
-                                               "cit_f1": pytest.approx(0.5)}
+    assert citation_scores([2], [2, 5, 7]) == {
+        "cit_precision": 1.0,
+        "cit_recall": pytest.approx(1 / 3),
+        "cit_f1": pytest.approx(0.5),
+    }
     assert citation_scores([], [4]) == {"cit_precision": 0.0, "cit_recall": 0.0, "cit_f1": 0.0}
     assert citation_scores([1], [2])["cit_f1"] == 0.0
     with pytest.raises(ValueError):

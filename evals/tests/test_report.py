@@ -11,8 +11,7 @@ from evals.report import add_paired_deltas, aggregate, collect_rows
 
 
 def _row(example: str, method: str, f1: float) -> dict:
-    return {"example_id": example, "dataset": "nq", "num_docs": 5, "gold_position": "first", "method": method,
-            "f1": f1}
+    return {"example_id": example, "dataset": "nq", "num_docs": 5, "gold_position": "first", "method": method, "f1": f1}
 
 
 def test_paired_difference_is_taken_prompt_by_prompt():
@@ -31,10 +30,18 @@ def test_paired_difference_is_taken_prompt_by_prompt():
 
 
 def test_methods_are_paired_against_snapkv_at_their_own_budget_prompt_by_prompt():
-    same = {"snapkv@25%": [1, 0, 0, 1], "snapkv@50%": [1, 1, 1, 1], "lookahead@25%": [1, 1, 0, 1],
-            "lookahead@50%": [0, 1, 1, 1], "lookahead@512": [1, 1, 1, 1]}
-    rows = [_row(f"e{i}", method, 0.5) | {"identical_to_full": float(v), "f1_vs_full": float(v)}
-            for method, values in same.items() for i, v in enumerate(values)]
+    same = {
+        "snapkv@25%": [1, 0, 0, 1],
+        "snapkv@50%": [1, 1, 1, 1],
+        "lookahead@25%": [1, 1, 0, 1],
+        "lookahead@50%": [0, 1, 1, 1],
+        "lookahead@512": [1, 1, 1, 1],
+    }
+    rows = [
+        _row(f"e{i}", method, 0.5) | {"identical_to_full": float(v), "f1_vs_full": float(v)}
+        for method, values in same.items()
+        for i, v in enumerate(values)
+    ]
     add_paired_deltas(rows)
     by_method = {r["method"]: r for r in aggregate(rows, ("dataset", "method"))}
     assert by_method["lookahead@25%"]["same_minus_snapkv"] == pytest.approx(0.25)  # one prompt more, none less
@@ -47,8 +54,11 @@ def test_methods_are_paired_against_snapkv_at_their_own_budget_prompt_by_prompt(
 def test_fidelity_is_plotted_against_the_share_kept_only_for_methods_run_at_a_share(tmp_path):
     assert share_of("snapkv@25%") == ("snapkv", 0.25) and share_of("ours:lookahead@50%") == ("ours:lookahead", 0.5)
     assert share_of("snapkv@1024") is None and share_of("full") is None and share_of("x@half%") is None
-    rows = [_row(f"e{i}", method, 0.5) | {"identical_to_full": float(i % 2)}
-            for i in range(4) for method in ("full", "snapkv@25%", "snapkv@50%", "h2o@25%")]
+    rows = [
+        _row(f"e{i}", method, 0.5) | {"identical_to_full": float(i % 2)}
+        for i in range(4)
+        for method in ("full", "snapkv@25%", "snapkv@50%", "h2o@25%")
+    ]
     cells = [r | {"panel": "nq, N=5"} for r in aggregate(rows, ("dataset", "method"))]
     assert against_budget(cells, "identical_to_full", "same answer", tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 1000
@@ -67,7 +77,10 @@ def test_runs_split_by_methods_report_together_with_each_prompts_full_cache_once
     run("new", full[:2] + [_row(f"e{i}", "lookahead@25%", 0.5) | {"text": "y"} for i in range(2)])
     rows = collect_rows(tmp_path)
     assert sorted((r["example_id"], r["method"]) for r in rows if r["method"] == "full") == [
-        ("e0", "full"), ("e1", "full"), ("e2", "full")]
+        ("e0", "full"),
+        ("e1", "full"),
+        ("e2", "full"),
+    ]
     assert len(rows) == 3 + 3 + 2
     run("odd", [full[0] | {"text": "another answer"}])
     with pytest.raises(SystemExit, match="e0, full: new and odd hold different answers"):

@@ -16,17 +16,46 @@ from evals.__main__ import main
 from evals.runner import load_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = ["--datasets", "kv", "--num-docs", "5,8", "--gold-positions", "every", "--num-questions", "2",
-        "--methods", "full,snapkv@64,streaming@50%", "--max-new-tokens", "4", "--no-progress"]
-STABLE = ("example_id", "method", "budget", "text", "citations", "f1", "cit_f1", "identical_to_full", "hit_rate",
-          "kept_tokens", "prompt_tokens")
+ARGS = [
+    "--datasets",
+    "kv",
+    "--num-docs",
+    "5,8",
+    "--gold-positions",
+    "every",
+    "--num-questions",
+    "2",
+    "--methods",
+    "full,snapkv@64,streaming@50%",
+    "--max-new-tokens",
+    "4",
+    "--no-progress",
+]
+STABLE = (
+    "example_id",
+    "method",
+    "budget",
+    "text",
+    "citations",
+    "f1",
+    "cit_f1",
+    "identical_to_full",
+    "hit_rate",
+    "kept_tokens",
+    "prompt_tokens",
+)
 
 
 def _run(out: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = open(out.parent / f"{out.name}.log", "ab")  # a file, not a pipe nobody reads: no stall when it fills
-    return subprocess.Popen([sys.executable, "-m", "evals.tests.tiny", *ARGS, "--out", str(out)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "evals.tests.tiny", *ARGS, "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _stable(out: Path) -> list[tuple]:
@@ -68,17 +97,42 @@ def test_torn_line_and_incomplete_example_are_dropped(tmp_path):
 
 
 def test_resume_refuses_changed_settings(tmp_path, tiny):
-    args = ["--datasets", "kv", "--num-docs", "3", "--gold-positions", "first", "--num-questions", "1",
-            "--methods", "full,h2o@40", "--no-progress", "--out", str(tmp_path)]
+    args = [
+        "--datasets",
+        "kv",
+        "--num-docs",
+        "3",
+        "--gold-positions",
+        "first",
+        "--num-questions",
+        "1",
+        "--methods",
+        "full,h2o@40",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    ]
     assert main([*args, "--max-new-tokens", "2"], engine=tiny) == 0
     with pytest.raises(SystemExit, match="max_new_tokens"):
         main([*args, "--max-new-tokens", "3"], engine=tiny)
 
 
 def test_batched_methods_give_the_answers_and_hit_rates_of_one_at_a_time(tmp_path, tiny):
-    args = ["--datasets", "kv", "--num-docs", "6", "--gold-positions", "first,last", "--num-questions", "2",
-            "--methods", "full,snapkv@48,h2o@48,streaming@50%,adasnapkv@50%", "--max-new-tokens", "4",
-            "--no-progress"]
+    args = [
+        "--datasets",
+        "kv",
+        "--num-docs",
+        "6",
+        "--gold-positions",
+        "first,last",
+        "--num-questions",
+        "2",
+        "--methods",
+        "full,snapkv@48,h2o@48,streaming@50%,adasnapkv@50%",
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+    ]
     assert main([*args, "--out", str(tmp_path / "alone")], engine=tiny) == 0
     assert main([*args, "--batch-methods", "--out", str(tmp_path / "batched")], engine=tiny) == 0
     assert _stable(tmp_path / "batched") == _stable(tmp_path / "alone")
@@ -90,9 +144,27 @@ def test_batched_methods_give_the_answers_and_hit_rates_of_one_at_a_time(tmp_pat
 
 def test_cli_end_to_end_writes_tables_and_plots(tmp_path, tiny):
     out = tmp_path / "run"
-    argv = ["--datasets", "nq,musique,kv", "--num-docs", "4", "--num-docs", "musique=5", "--gold-positions",
-            "first,last", "--num-questions", "1", "--methods", "full,snapkv,pyramidkv,streaming,h2o,random",
-            "--budgets", "25%,64", "--max-new-tokens", "3", "--no-progress", "--out", str(out)]
+    argv = [
+        "--datasets",
+        "nq,musique,kv",
+        "--num-docs",
+        "4",
+        "--num-docs",
+        "musique=5",
+        "--gold-positions",
+        "first,last",
+        "--num-questions",
+        "1",
+        "--methods",
+        "full,snapkv,pyramidkv,streaming,h2o,random",
+        "--budgets",
+        "25%,64",
+        "--max-new-tokens",
+        "3",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     assert main(argv, engine=tiny) == 0
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
     assert len(rows) == (2 + 1 + 2) * 11
@@ -112,13 +184,16 @@ def test_cli_end_to_end_writes_tables_and_plots(tmp_path, tiny):
         assert (out / "plots" / f"{name}.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--methods", "snapkv@150%"], "percentage"),
-    (["--methods", "magic@25%"], "KIND"),
-    (["--datasets", "squad"], "unknown"),
-    (["--gold-positions", "centre"], "unknown"),
-    (["--num-docs", "musique=x"], "integers"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "snapkv@150%"], "percentage"),
+        (["--methods", "magic@25%"], "KIND"),
+        (["--datasets", "squad"], "unknown"),
+        (["--gold-positions", "centre"], "unknown"),
+        (["--num-docs", "musique=x"], "integers"),
+    ],
+)
 def test_bad_options_are_clear_errors(argv, message, tiny, tmp_path):
     with pytest.raises(SystemExit, match=message):
         main([*argv, "--out", str(tmp_path)], engine=tiny)
@@ -129,8 +204,21 @@ def test_model_folder_and_device_from_the_command_line(tmp_path, tiny):
     folder = tmp_path / "model"
     tiny.model.save_pretrained(folder)
     tiny.tokenizer.save_pretrained(folder)
-    argv = ["--datasets", "kv", "--num-docs", "5", "--gold-positions", "first,last", "--num-questions", "1",
-            "--methods", "full,snapkv@48", "--max-new-tokens", "4", "--no-progress"]
+    argv = [
+        "--datasets",
+        "kv",
+        "--num-docs",
+        "5",
+        "--gold-positions",
+        "first,last",
+        "--num-questions",
+        "1",
+        "--methods",
+        "full,snapkv@48",
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+    ]
     assert main([*argv, "--out", str(tmp_path / "engine")], engine=tiny) == 0
     assert main([*argv, "--model", str(folder), "--device", "cpu", "--out", str(tmp_path / "folder")]) == 0
     settings = json.loads((tmp_path / "folder" / "run.json").read_text())
@@ -139,11 +227,14 @@ def test_model_folder_and_device_from_the_command_line(tmp_path, tiny):
     assert len(stable[0]) == 4 and stable[0] == stable[1]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "no/such-model-here", "--device", "cpu"], "--model/--device/--dtype: model: could not load"),
-    (["--device", "cuda:99"], "--model/--device/--dtype: device: 'cuda:99'"),
-    (["--dtype", "float13"], "--model/--device/--dtype: dtype: unknown"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "no/such-model-here", "--device", "cpu"], "--model/--device/--dtype: model: could not load"),
+        (["--device", "cuda:99"], "--model/--device/--dtype: device: 'cuda:99'"),
+        (["--dtype", "float13"], "--model/--device/--dtype: dtype: unknown"),
+    ],
+)
 def test_unusable_model_device_or_dtype_is_one_clear_line(argv, message, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id is looked up in the local cache only
     with pytest.raises(SystemExit, match=message.replace("(", r"\(")):

@@ -25,9 +25,14 @@ def test_smoke_preset_end_to_end(tmp_path):
     """Under 3 minutes of CPU. The wall time is printed, not asserted: on a 2-core machine shared
     with other jobs it is several times the CPU time (53 s CPU took 230 s wall at load 10)."""
     start, cpu = time.monotonic(), _children_cpu_s()
-    done = subprocess.run([sys.executable, "-m", "evals", "--smoke", "--no-progress", "--out", str(tmp_path)],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "evals", "--smoke", "--no-progress", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     wall, cpu = time.monotonic() - start, _children_cpu_s() - cpu
     assert done.returncode == 0, done.stderr[-3000:]
     rows = (tmp_path / "rows.jsonl").read_text().splitlines()

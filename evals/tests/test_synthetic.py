@@ -35,8 +35,9 @@ def test_needle_sits_at_its_depth_once(needles):
         depth = int(e.gold_position[1:]) / 100
         assert abs(share - depth) < 0.1, (e.id, share)
     same_question = [e for e in needles if e.question_id == "0" and e.num_docs == 600]
-    haystacks = {e.documents[0]["text"].replace(synthetic.NEEDLE.format(number=e.answers[0]), "")
-                 for e in same_question}
+    haystacks = {
+        e.documents[0]["text"].replace(synthetic.NEEDLE.format(number=e.answers[0]), "") for e in same_question
+    }
     assert len({" ".join(h.split()) for h in haystacks}) == 1  # only the needle moves
 
 
@@ -65,14 +66,41 @@ def test_bad_synthetic_options_are_clear(tiny, tmp_path):
 
 def test_cli_runs_needle_and_lines_with_heatmaps(tiny, tmp_path):
     out = tmp_path / "run"
-    assert main(["--datasets", "needle,lines", "--num-docs", "needle=250,400", "--num-docs", "lines=8",
-                 "--depths", "0,100", "--num-questions", "1", "--methods", "full,snapkv@48", "--max-new-tokens", "2",
-                 "--no-progress", "--out", str(out)], engine=tiny) == 0
+    assert (
+        main(
+            [
+                "--datasets",
+                "needle,lines",
+                "--num-docs",
+                "needle=250,400",
+                "--num-docs",
+                "lines=8",
+                "--depths",
+                "0,100",
+                "--num-questions",
+                "1",
+                "--methods",
+                "full,snapkv@48",
+                "--max-new-tokens",
+                "2",
+                "--no-progress",
+                "--out",
+                str(out),
+            ],
+            engine=tiny,
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
     assert len(rows) == (2 * 2 + 2) * 2
     assert {(r["dataset"], r["num_docs"], r["gold_position"]) for r in rows if r["method"] == "full"} == {
-        ("needle", 250, "d000"), ("needle", 250, "d100"), ("needle", 400, "d000"), ("needle", 400, "d100"),
-        ("lines", 8, "d000"), ("lines", 8, "d100")}
+        ("needle", 250, "d000"),
+        ("needle", 250, "d100"),
+        ("needle", 400, "d000"),
+        ("needle", 400, "d100"),
+        ("lines", 8, "d000"),
+        ("lines", 8, "d100"),
+    }
     assert all(r["cit_f1"] is None for r in rows)
     for name in ("heatmap_needle", "heatmap_lines", "heatmap_needle_fidelity", "heatmap_lines_fidelity"):
         assert (out / "plots" / f"{name}.png").stat().st_size > 1000

@@ -12,9 +12,16 @@ from evals.__main__ import main
 from evals.datasets import DATA_DIR
 
 EXAMPLE = DATA_DIR / "example_own_data.jsonl"
-GOOD = {"question": "Who wrote Hamlet?", "answers": ["Shakespeare"],
-        "documents": [{"title": "Faust", "text": "Faust is by Goethe."}, "Hamlet is by Shakespeare.",
-                      {"title": None, "text": "Don Quixote is by Cervantes."}], "gold": [2]}
+GOOD = {
+    "question": "Who wrote Hamlet?",
+    "answers": ["Shakespeare"],
+    "documents": [
+        {"title": "Faust", "text": "Faust is by Goethe."},
+        "Hamlet is by Shakespeare.",
+        {"title": None, "text": "Don Quixote is by Cervantes."},
+    ],
+    "gold": [2],
+}
 
 
 def _write(path: Path, records: list) -> Path:
@@ -32,19 +39,22 @@ def test_the_shipped_example_file_follows_the_schema():
     assert all(e.num_docs == 3 and e.gold_position == "given" for e in data.examples)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"question": ""}, "field 'question': expected a non-empty string"),
-    ({"answers": "Shakespeare"}, "field 'answers': expected a non-empty list"),
-    ({"answers": []}, "field 'answers'"),
-    ({"documents": []}, "field 'documents': expected a non-empty list"),
-    ({"documents": [{"title": "x"}]}, r"field 'documents\[1\].text': expected a non-empty string"),
-    ({"documents": ["a", 3]}, r"field 'documents\[2\]': expected a string or an object"),
-    ({"documents": [{"title": 5, "text": "a"}]}, r"field 'documents\[1\].title'"),
-    ({"gold": [4]}, r"field 'gold': \[4\] outside 1..3"),
-    ({"gold": 2}, "field 'gold': expected a non-empty list"),
-    ({"gold": [True]}, "field 'gold'"),
-    ({"id": ["x"]}, "field 'id'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"question": ""}, "field 'question': expected a non-empty string"),
+        ({"answers": "Shakespeare"}, "field 'answers': expected a non-empty list"),
+        ({"answers": []}, "field 'answers'"),
+        ({"documents": []}, "field 'documents': expected a non-empty list"),
+        ({"documents": [{"title": "x"}]}, r"field 'documents\[1\].text': expected a non-empty string"),
+        ({"documents": ["a", 3]}, r"field 'documents\[2\]': expected a string or an object"),
+        ({"documents": [{"title": 5, "text": "a"}]}, r"field 'documents\[1\].title'"),
+        ({"gold": [4]}, r"field 'gold': \[4\] outside 1..3"),
+        ({"gold": 2}, "field 'gold': expected a non-empty list"),
+        ({"gold": [True]}, "field 'gold'"),
+        ({"id": ["x"]}, "field 'id'"),
+    ],
+)
 def test_a_bad_field_names_the_file_line_and_field(tmp_path, change, message):
     path = _write(tmp_path / "qa.jsonl", [GOOD, "", {**GOOD, **change}])
     with pytest.raises(userdata.DataError, match=f"{path}:3: {message}"):
@@ -67,8 +77,9 @@ def test_num_docs_takes_the_first_n_or_fails_clearly(tmp_path):
     data = userdata.load(path, num_docs=[2, 3])
     assert [(e.num_docs, e.gold) for e in data.examples] == [(2, (2,)), (3, (2,)), (2, (1,)), (3, (1, 3))]
     assert data.examples[0].documents == tuple(userdata.parse_record(GOOD, "x", None)[1].documents[:2])
-    with pytest.raises(userdata.DataError,
-                       match=r"qa.jsonl:1: field 'documents': 3 documents, fewer than --num-docs 4"):
+    with pytest.raises(
+        userdata.DataError, match=r"qa.jsonl:1: field 'documents': 3 documents, fewer than --num-docs 4"
+    ):
         userdata.load(path, num_docs=[4])
     with pytest.raises(userdata.DataError, match=r"qa.jsonl:1: field 'gold': every gold document \[2\] lies beyond"):
         userdata.load(path, num_docs=[1])
@@ -83,13 +94,30 @@ def test_cli_checks_before_loading_any_model(tmp_path, monkeypatch):
 
 
 def test_cli_skip_bad_counts_and_no_gold_leaves_citations_out(tmp_path, tiny, capsys):
-    path = _write(tmp_path / "qa.jsonl", [GOOD, {**GOOD, "gold": [9]}, "not json", {**GOOD, "id": "nogold",
-                                                                                      "gold": None}])
+    path = _write(
+        tmp_path / "qa.jsonl", [GOOD, {**GOOD, "gold": [9]}, "not json", {**GOOD, "id": "nogold", "gold": None}]
+    )
     with pytest.raises(SystemExit, match=r"qa.jsonl:2: field 'gold'"):
         main(["--data", str(path), "--out", str(tmp_path / "strict")], engine=tiny)
     out = tmp_path / "run"
-    assert main(["--data", str(path), "--skip-bad", "--methods", "full,snapkv@40", "--max-new-tokens", "2",
-                 "--no-progress", "--out", str(out)], engine=tiny) == 0
+    assert (
+        main(
+            [
+                "--data",
+                str(path),
+                "--skip-bad",
+                "--methods",
+                "full,snapkv@40",
+                "--max-new-tokens",
+                "2",
+                "--no-progress",
+                "--out",
+                str(out),
+            ],
+            engine=tiny,
+        )
+        == 0
+    )
     printed = capsys.readouterr()
     assert "2 records, 2 skipped as bad, 1 without gold" in printed.out
     assert "qa.jsonl:3: not valid JSON" in printed.err

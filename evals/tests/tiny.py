@@ -16,9 +16,18 @@ def tiny_engine() -> SnapKVLLM:
     """2 layers, 4 query heads sharing 2 KV heads, the embedded model's tokenizer; seeded weights."""
     tokenizer = AutoTokenizer.from_pretrained(loading.default_model_dir())
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                         pad_token_id=2, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        pad_token_id=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return SnapKVLLM(model=LlamaForCausalLM(config), tokenizer=tokenizer)
 
 

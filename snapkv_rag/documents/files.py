@@ -31,16 +31,20 @@ from transformers.cache_utils import LinearAttentionLayer
 
 from ..kv import ragged
 from ..kv.prompt_cache import LayerKV
-from .stored import Stored, documents_hash, entry_key, identity, method_from_json, method_json
-from ..request.prompts import Document
 from ..kv.ragged import PackedKV
+from ..request.prompts import Document
+from .stored import Stored, documents_hash, entry_key, identity, method_from_json, method_json
 
 FORMAT = "snapkv-rag-documents/2"  # /2: ragged heads packed (ragged.PackedKV)
 READS = ("snapkv-rag-documents/1", FORMAT)  # /1: every layer padded to its widest head
 META = "snapkv_rag"
 TENSOR_STATES = ("conv_states", "recurrent_states")  # a recurrent layer's state object: its tensors
-FLAG_STATES = ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
-               "conv_kernel_size")  # ... and its flags (JSON)
+FLAG_STATES = (
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+    "has_previous_state",
+    "conv_kernel_size",
+)  # ... and its flags (JSON)
 
 
 def _tensors(entry: Stored) -> dict[str, torch.Tensor]:
@@ -49,24 +53,42 @@ def _tensors(entry: Stored) -> dict[str, torch.Tensor]:
         if packed is None:
             continue
         if packed.padded is not None:  # a layout kept padded: the layer as it is
-            parts = {"keys": packed.padded.keys[0], "values": packed.padded.values[0],
-                     "positions": packed.padded.positions[0]}
+            parts = {
+                "keys": packed.padded.keys[0],
+                "values": packed.padded.values[0],
+                "positions": packed.padded.positions[0],
+            }
         else:
-            parts = {"keys": packed.keys, "values": packed.values, "positions": packed.positions,
-                     "counts": packed.counts, "width": torch.tensor([packed.width])}
+            parts = {
+                "keys": packed.keys,
+                "values": packed.values,
+                "positions": packed.positions,
+                "counts": packed.counts,
+                "width": torch.tensor([packed.width]),
+            }
         out.update({f"layer.{i}.{name}": t.contiguous().cpu() for name, t in parts.items()})
     for i, state in enumerate(entry.states):
         for name in TENSOR_STATES if state is not None else ():
-            out.update({f"state.{i}.{name}.{n}": t.contiguous().cpu() for n, t in getattr(state, name).items()
-                        if t is not None})
+            out.update(
+                {
+                    f"state.{i}.{name}.{n}": t.contiguous().cpu()
+                    for n, t in getattr(state, name).items()
+                    if t is not None
+                }
+            )
     return out
 
 
 def _state_meta(entry: Stored) -> dict:
     """Per recurrent layer the flags of its state object (its tensors are saved as ``state.<i>.*``)."""
-    return {str(i): {"number_of_states": state.number_of_states,
-                     **{name: {str(n): v for n, v in getattr(state, name).items()} for name in FLAG_STATES}}
-            for i, state in enumerate(entry.states) if state is not None}
+    return {
+        str(i): {
+            "number_of_states": state.number_of_states,
+            **{name: {str(n): v for n, v in getattr(state, name).items()} for name in FLAG_STATES},
+        }
+        for i, state in enumerate(entry.states)
+        if state is not None
+    }
 
 
 def _states(meta: dict, tensors: dict[str, torch.Tensor], layers: int, device) -> tuple:
@@ -110,15 +132,25 @@ def save(llm, entry: Stored, path, overwrite: bool = False) -> None:
     if path.exists() and not overwrite:
         old = _meta(path)
         if old is None or old.get("key") != entry.key:
-            raise FileExistsError(f"path: {path} already exists and holds "
-                                  f"{'another document set' if old else 'something else'}; pass overwrite=True to "
-                                  "replace it, or save to another path")
+            raise FileExistsError(
+                f"path: {path} already exists and holds "
+                f"{'another document set' if old else 'something else'}; pass overwrite=True to "
+                "replace it, or save to another path"
+            )
     tensors = _tensors(entry)
-    meta = {"format": FORMAT, "key": entry.key, **identity(llm), "method": method_json(entry.method),
-            "ids": list(entry.ids), "layers": len(entry.layers), "instruction": entry.instruction,
-            "documents": [{"text": d.text, "title": d.title, "id": d.id} for d in entry.documents],
-            "documents_hash": documents_hash(entry.documents), "states": _state_meta(entry),
-            "checksum": _checksum(tensors)}
+    meta = {
+        "format": FORMAT,
+        "key": entry.key,
+        **identity(llm),
+        "method": method_json(entry.method),
+        "ids": list(entry.ids),
+        "layers": len(entry.layers),
+        "instruction": entry.instruction,
+        "documents": [{"text": d.text, "title": d.title, "id": d.id} for d in entry.documents],
+        "documents_hash": documents_hash(entry.documents),
+        "states": _state_meta(entry),
+        "checksum": _checksum(tensors),
+    }
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     save_file(tensors, str(partial), metadata={META: json.dumps(meta)})
     os.replace(partial, path)
@@ -134,8 +166,9 @@ def load(llm, path) -> Stored:
             raw = (f.metadata() or {}).get(META)
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, RuntimeError, ValueError) as error:
-        raise ValueError(f"path: {path} is not a readable document cache file (corrupt or truncated: "
-                         f"{error})") from error
+        raise ValueError(
+            f"path: {path} is not a readable document cache file (corrupt or truncated: {error})"
+        ) from error
     try:
         meta = json.loads(raw) if raw is not None else None
     except ValueError:
@@ -143,11 +176,18 @@ def load(llm, path) -> Stored:
     if not isinstance(meta, dict) or meta.get("format") not in READS:
         raise ValueError(f"path: {path} is not a snapkv-rag document cache file (format {FORMAT})")
     mine = identity(llm)
-    for field, what in (("library", "library version"), ("model", "model"), ("model_hash", "model configuration"),
-                        ("dtype", "dtype"), ("tokenizer_hash", "tokenizer")):
+    for field, what in (
+        ("library", "library version"),
+        ("model", "model"),
+        ("model_hash", "model configuration"),
+        ("dtype", "dtype"),
+        ("tokenizer_hash", "tokenizer"),
+    ):
         if meta.get(field) != mine[field]:
-            raise ValueError(f"path: {path} was made with another {what} ({meta.get(field)!r}; this engine has "
-                             f"{mine[field]!r}): index the documents again with this engine")
+            raise ValueError(
+                f"path: {path} was made with another {what} ({meta.get(field)!r}; this engine has "
+                f"{mine[field]!r}): index the documents again with this engine"
+            )
     if _checksum(tensors) != meta.get("checksum"):
         raise ValueError(f"path: {path} is corrupt: its tensors do not match the checksum saved with them")
     method = method_from_json(meta["method"])

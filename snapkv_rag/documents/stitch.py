@@ -32,17 +32,17 @@ import hashlib
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from transformers import DynamicCache
 
+from ..kv.lru import ByteLRU
 from ..kv.prompt_cache import Compressed, LayerKV
+from ..request.prompts import DocumentLike, to_documents
 from .store import PLACEHOLDER, DocumentHandle, unsupported
 from .stored import identity
-from ..kv.lru import ByteLRU
-from ..request.prompts import DocumentLike, to_documents
 
 DEFAULT_BYTES = 1 << 30
 ROTATIONS = ("default", "linear", "llama3")
@@ -169,7 +169,9 @@ class StitchedDocuments(DocumentHandle):
 
     def bind_request(self, request):
         if request.spans is None or len(request.spans.documents) != len(self.documents):
-            raise ValueError("documents: the prompt's document blocks could not be located (a tokenizer without offsets)")
+            raise ValueError(
+                "documents: the prompt's document blocks could not be located (a tokenizer without offsets)"
+            )
         request.stored = Bound(self, request.spans.in_slice(len(request.input_ids)))
         return request
 
@@ -187,7 +189,7 @@ class StitchedDocuments(DocumentHandle):
     def _chunk(self, doc) -> tuple[Chunk, bool]:
         """``doc``'s stored cache (computed now if the store lacks it) and whether it was computed."""
         request = self.llm.request(PLACEHOLDER, [doc])
-        (start, stop), = request.spans.in_slice(len(request.input_ids))
+        ((start, stop),) = request.spans.in_slice(len(request.input_ids))
         ids = request.input_ids[:stop]
         key = hashlib.sha256(repr((sorted(identity(self.llm).items()), ids)).encode()).hexdigest()
         store = self.llm.chunk_store
@@ -225,17 +227,23 @@ class Bound:
                 if n:
                     pieces.append((stop - n, chunk, len(chunk.ids) - n, n))
             cache, logits, reused = self._run(runner, ids, pieces)
-        layers = [LayerKV(layer.keys, layer.values, cache.order.expand(1, layer.keys.shape[1], -1))
-                  for layer in cache.layers]
+        layers = [
+            LayerKV(layer.keys, layer.values, cache.order.expand(1, layer.keys.shape[1], -1)) for layer in cache.layers
+        ]
         compressed = Compressed(None, runner.specs, layers, len(ids))
-        return Prefilled(compressed={"": [compressed]}, logits=logits, prefill_s=time.perf_counter() - begin,
-                         cached_tokens=reused)
+        return Prefilled(
+            compressed={"": [compressed]}, logits=logits, prefill_s=time.perf_counter() - begin, cached_tokens=reused
+        )
 
     def _run(self, runner, ids: list[int], pieces):
         """Stitch ``pieces``, pick the tokens to recompute, prefill them with the uncovered ones."""
         handle = self.handle
         device, rotary = runner.device, rotary_of(runner.model)
-        positions = torch.cat([torch.arange(at, at + n) for at, _, _, n in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
+        positions = (
+            torch.cat([torch.arange(at, at + n) for at, _, _, n in pieces])
+            if pieces
+            else torch.zeros(0, dtype=torch.long)
+        )
         per_layer = []
         for i in range(len(runner.specs) if pieces else 0):
             keys, values = [], []
@@ -243,14 +251,16 @@ class Bound:
                 k, v = chunk.layers[i]
                 shift = torch.tensor([[at - (chunk.start + row)]], device=device)
                 cos, sin = rotary(k, shift)
-                keys.append(rotate_keys(k[:, :, row:row + n], cos[0, 0], sin[0, 0]))
-                values.append(v[:, :, row:row + n])
+                keys.append(rotate_keys(k[:, :, row : row + n], cos[0, 0], sin[0, 0]))
+                values.append(v[:, :, row : row + n])
             per_layer.append((torch.cat(keys, dim=2), torch.cat(values, dim=2)))
         keep = torch.ones(len(positions), dtype=torch.bool)
         if handle.recompute > 0 and pieces and len(per_layer) > 1:
             probe = _Capture(1)
             try:
-                runner.model(input_ids=torch.tensor([ids], device=device), **{runner.cache_kwarg: probe}, use_cache=True)
+                runner.model(
+                    input_ids=torch.tensor([ids], device=device), **{runner.cache_kwarg: probe}, use_cache=True
+                )
             except _Stop:
                 pass
             fresh = probe.values[:, :, positions.to(device)]
@@ -268,7 +278,13 @@ class Bound:
         mask.masked_fill_(order[None, :] > run.to(device)[:, None], torch.finfo(dtype).min)
         mask = mask[None, None]
         last = {"logits_to_keep": 1} if runner.keep_last else {}
-        out = runner.model(input_ids=torch.tensor([ids], device=device)[:, run.to(device)], attention_mask=mask,
-                           position_ids=run.to(device)[None], **{runner.cache_kwarg: cache}, use_cache=True, **last)
+        out = runner.model(
+            input_ids=torch.tensor([ids], device=device)[:, run.to(device)],
+            attention_mask=mask,
+            position_ids=run.to(device)[None],
+            **{runner.cache_kwarg: cache},
+            use_cache=True,
+            **last,
+        )
         cache.order = order[None, None]
         return cache, out.logits[:, -1, :], int(keep.sum())

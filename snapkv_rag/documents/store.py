@@ -32,11 +32,12 @@ state is not per token), and a tail over them runs one token per step (:mod:`sna
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from ..kv import prefix_cache
 from ..kv.lru import ByteLRU
-from ..kv.prompt_cache import FULL, LATENT, NONE, RECURRENT, SLIDING
+from ..models.layer_kinds import FULL, LATENT, NONE, RECURRENT, SLIDING
 from ..request.prompts import DocumentLike
 from .files import load, save
 from .stored import Stored, check_method, entry_key, identity
@@ -70,7 +71,9 @@ class DocStore:
 
     def used(self, entry: Stored):
         """Count a question answered from ``entry``; returns the method it runs (the entry's)."""
-        if not isinstance(entry, Stored):  # a stitched prompt (:mod:`snapkv_rag.documents.stitch`): its own store counts
+        if not isinstance(
+            entry, Stored
+        ):  # a stitched prompt (:mod:`snapkv_rag.documents.stitch`): its own store counts
             return entry.config
         with self._lock:
             self._counts.hits += 1
@@ -101,8 +104,10 @@ def unsupported(llm) -> str | None:
     """Why ``llm``'s model cannot answer from a stored cache (``None``: it can)."""
     for i, spec in enumerate(llm.runner.specs):
         if spec.kind not in (FULL, SLIDING, LATENT, NONE, RECURRENT):
-            return (f"layer {i} of {type(llm.model).__name__} is {spec.kind}: a stored document cache holds "
-                    "full, sliding-window and latent attention layers and recurrent states only")
+            return (
+                f"layer {i} of {type(llm.model).__name__} is {spec.kind}: a stored document cache holds "
+                "full, sliding-window and latent attention layers and recurrent states only"
+            )
     return None
 
 
@@ -141,8 +146,10 @@ class DocumentSet(DocumentHandle):
 
     def __repr__(self) -> str:
         name = getattr(self.method, "method", "full")
-        return (f"DocumentSet({len(self.documents)} documents, {self.prompt_tokens} tokens, {name}, "
-                f"{self.kept_bytes} of {self.full_bytes} bytes)")
+        return (
+            f"DocumentSet({len(self.documents)} documents, {self.prompt_tokens} tokens, {name}, "
+            f"{self.kept_bytes} of {self.full_bytes} bytes)"
+        )
 
     def entry(self) -> Stored:
         """The stored entry (indexed again, and counted as a miss, if the store evicted it)."""
@@ -159,9 +166,11 @@ class DocumentSet(DocumentHandle):
         """Its tokens before the question must be the stored ones."""
         entry = self.entry()
         if tuple(request.input_ids[: entry.length]) != entry.ids or len(request.input_ids) <= entry.length:
-            raise ValueError("documents: this prompt does not start with the stored documents' tokens (a conversation "
-                             "with earlier turns or a system message, or cite='json', changes what comes before the "
-                             "question); ask a single question over the handle, or index the documents for that prompt")
+            raise ValueError(
+                "documents: this prompt does not start with the stored documents' tokens (a conversation "
+                "with earlier turns or a system message, or cite='json', changes what comes before the "
+                "question); ask a single question over the handle, or index the documents for that prompt"
+            )
         request.stored = entry
         return request
 
@@ -181,12 +190,16 @@ def build(llm, documents: Sequence[DocumentLike], method) -> Stored:
         raise ValueError("documents: give at least one document to index")
     at = prefix_cache.boundary(request.input_ids, request.spans)
     if at is None:
-        raise ValueError("documents: the prompt's question could not be located (a tokenizer without "
-                         "offsets, or a chat template that rewrites the user turn)")
+        raise ValueError(
+            "documents: the prompt's question could not be located (a tokenizer without "
+            "offsets, or a chat template that rewrites the user turn)"
+        )
     ids = request.input_ids[:at]
     if at + 16 > llm.context_window:
-        raise ValueError(f"documents: the indexed prompt is {at} tokens, which leaves no room for a question and "
-                         f"an answer in the model's context window of {llm.context_window} tokens")
+        raise ValueError(
+            f"documents: the indexed prompt is {at} tokens, which leaves no room for a question and "
+            f"an answer in the model's context window of {llm.context_window} tokens"
+        )
     pre = llm.runner.prefill([ids], {"": method and method.for_prompt(len(ids))})
     layers = pre.compressed[""][0].layers
     return Stored.of(entry_key(identity(llm), method, ids), ids, layers, method, request.documents, llm.instruction)
@@ -218,17 +231,21 @@ def documents_of(llm, documents):
     if not isinstance(documents, DocumentHandle):
         return documents
     if documents.llm is not llm and identity(documents.llm) != identity(llm):
-        raise ValueError("documents: this document handle was made by another model or tokenizer "
-                         f"({identity(documents.llm)['model']}); index the documents with this engine")
+        raise ValueError(
+            "documents: this document handle was made by another model or tokenizer "
+            f"({identity(documents.llm)['model']}); index the documents with this engine"
+        )
     return documents.documents
 
 
 def check_options(options: dict, requests) -> None:
     """A request over a document handle runs the handle's method: a ``snapkv`` option is refused."""
     if "snapkv" in options and any(r.stored is not None for r in requests):
-        raise ValueError("snapkv: a question over a document handle runs the handle's cache (the method the documents "
-                         "were indexed with, or a stitched cache whole); leave snapkv out, or index the documents with "
-                         "the method you want")
+        raise ValueError(
+            "snapkv: a question over a document handle runs the handle's cache (the method the documents "
+            "were indexed with, or a stitched cache whole); leave snapkv out, or index the documents with "
+            "the method you want"
+        )
 
 
 def load_set(llm, path) -> DocumentSet:

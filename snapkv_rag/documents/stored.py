@@ -9,15 +9,16 @@ import dataclasses
 import hashlib
 import json
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Sequence
+from typing import Any
 
-from ..methods import METHODS, KeyNormConfig
-from ..methods.registry import by_class_name
 from ..kv import prefix_cache, ragged, tails
 from ..kv.prompt_cache import LayerKV
 from ..kv.ragged import PackedKV
+from ..methods import METHODS, KeyNormConfig
+from ..methods.registry import by_class_name
 from ..request.prompts import Document
 
 
@@ -39,9 +40,11 @@ def check_method(method: Any):
     if storable(method):
         return method
     name = getattr(method, "method", type(method).__name__)
-    raise ValueError(f"method: {name} chooses what to keep from the question's attention, so its cache fits "
-                     f"one question only; a stored document cache needs a query-agnostic method: {_storable_names()}, "
-                     "a fraction (key-norm at that ratio) or None")
+    raise ValueError(
+        f"method: {name} chooses what to keep from the question's attention, so its cache fits "
+        f"one question only; a stored document cache needs a query-agnostic method: {_storable_names()}, "
+        "a fraction (key-norm at that ratio) or None"
+    )
 
 
 def method_json(method) -> dict | None:
@@ -82,9 +85,13 @@ def identity(llm) -> dict:
         vocab = sorted(tok.get_vocab().items()) if hasattr(tok, "get_vocab") else []
         params = (next(llm.model.parameters()), list(llm.model.parameters())[-1])
         weights = hashlib.sha256(b"".join(p.detach().flatten()[:4096].float().cpu().numpy().tobytes() for p in params))
-        cached = {"model": str(llm.model_name), "model_hash": _digest([config, weights.hexdigest()]),
-                  "dtype": str(next(llm.model.parameters()).dtype).removeprefix("torch."),
-                  "tokenizer_hash": _digest([vocab, getattr(tok, "chat_template", None)]), "library": _library_version()}
+        cached = {
+            "model": str(llm.model_name),
+            "model_hash": _digest([config, weights.hexdigest()]),
+            "dtype": str(next(llm.model.parameters()).dtype).removeprefix("torch."),
+            "tokenizer_hash": _digest([vocab, getattr(tok, "chat_template", None)]),
+            "library": _library_version(),
+        }
         _IDENTITIES[llm] = cached
     return cached
 
@@ -120,8 +127,15 @@ class Stored:
         """From a prefill's compressed layers (ragged heads padded, as a prefill leaves them; a
         recurrent layer's state object, a hybrid layer's state beside its K/V)."""
         states = tails.held_states(layers)
-        return cls(key, tuple(ids), tuple(ragged.pack(kv) if isinstance(kv, LayerKV) else None for kv in layers),
-                   method, tuple(documents), instruction, states if any(s is not None for s in states) else ())
+        return cls(
+            key,
+            tuple(ids),
+            tuple(ragged.pack(kv) if isinstance(kv, LayerKV) else None for kv in layers),
+            method,
+            tuple(documents),
+            instruction,
+            states if any(s is not None for s in states) else (),
+        )
 
     @property
     def layers(self) -> tuple[LayerKV | None, ...]:

@@ -18,13 +18,29 @@ from ..engine import SnapKVLLM
 from ..request.results import GenerationResult
 from .threads import iterate_in_thread
 
-__all__ = ["LOADING_DEFAULTS", "CALL_OPTIONS", "IDLE_CLOSE_S", "Lease", "engine_from", "call_options", "result_metadata", "iterate_in_thread"]
+__all__ = [
+    "LOADING_DEFAULTS",
+    "CALL_OPTIONS",
+    "IDLE_CLOSE_S",
+    "Lease",
+    "engine_from",
+    "call_options",
+    "result_metadata",
+    "iterate_in_thread",
+]
 
 CALL_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "snapkv", "stop")
 """The engine options an adapter takes per call (or as a field: the call's value wins)."""
 
-LOADING_DEFAULTS: dict[str, Any] = {"model": None, "tokenizer": None, "device": None, "dtype": None,
-                                    "attn_implementation": None, "instruction": None, "trust_remote_code": False}
+LOADING_DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "tokenizer": None,
+    "device": None,
+    "dtype": None,
+    "attn_implementation": None,
+    "instruction": None,
+    "trust_remote_code": False,
+}
 """The engine parameters that configure loading a model, with their defaults."""
 
 
@@ -59,8 +75,9 @@ class _EnginePool:
         with self.lock:  # held while loading: a second adapter of the same spec waits and shares it
             entry = self.entries.get(key)
             if entry is None:
-                options = {name: value for name, value in loading.items()
-                           if not (name == "instruction" and value is None)}
+                options = {
+                    name: value for name, value in loading.items() if not (name == "instruction" and value is None)
+                }
                 entry = self.entries[key] = [SnapKVLLM(**options), 0, None]
             if entry[2] is not None:
                 entry[2].cancel()
@@ -116,8 +133,10 @@ def engine_from(engine: Any, **loading: Any) -> tuple[SnapKVLLM, Lease | None]:
             raise TypeError(f"engine: expected a snapkv_rag.SnapKVLLM, got {type(engine).__name__}")
         clashing = [name for name, value in loading.items() if value != LOADING_DEFAULTS[name]]
         if clashing:
-            raise ValueError(f"{', '.join(clashing)}: these configure loading a model; with engine= the model is "
-                             "already loaded, so set them on snapkv_rag.SnapKVLLM(...) instead")
+            raise ValueError(
+                f"{', '.join(clashing)}: these configure loading a model; with engine= the model is "
+                "already loaded, so set them on snapkv_rag.SnapKVLLM(...) instead"
+            )
         return engine, None
     return _POOL.acquire({**LOADING_DEFAULTS, **loading})
 
@@ -128,8 +147,9 @@ def call_options(fields: Mapping[str, Any], kwargs: Mapping[str, Any], accepted:
     the adapter's own ``accepted`` ones are a TypeError naming them and what is supported."""
     unknown = sorted(set(kwargs) - set(CALL_OPTIONS) - set(accepted))
     if unknown:
-        raise TypeError(f"unexpected option(s) {', '.join(unknown)}; supported: "
-                        f"{', '.join((*accepted, *CALL_OPTIONS))}")
+        raise TypeError(
+            f"unexpected option(s) {', '.join(unknown)}; supported: {', '.join((*accepted, *CALL_OPTIONS))}"
+        )
     options = {name: kwargs[name] if name in kwargs else fields.get(name) for name in CALL_OPTIONS}
     return {name: value for name, value in options.items() if value is not None}
 
@@ -143,8 +163,11 @@ def result_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]
         "finish_reason": result.finish_reason,
         "citations": list(result.citations),
         "cited_documents": [{"number": n, **asdict(doc), "metadata": dict(doc.metadata)} for n, doc in numbered],
-        "usage": {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
-                  "total_tokens": result.usage.total_tokens},
+        "usage": {
+            "prompt_tokens": result.usage.prompt_tokens,
+            "completion_tokens": result.usage.completion_tokens,
+            "total_tokens": result.usage.total_tokens,
+        },
         "compression": asdict(result.compression),
         "timings": asdict(result.timings),
     }

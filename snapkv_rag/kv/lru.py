@@ -5,7 +5,8 @@ keep their entries in. Not locked: each owner holds its own lock around it."""
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 
 class ByteLRU:

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -73,8 +74,12 @@ class Prefix:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer is not None
-                   for t in (layer.keys, layer.values, layer.queries)) + sum(map(state_bytes, self.states))
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            if layer is not None
+            for t in (layer.keys, layer.values, layer.queries)
+        ) + sum(map(state_bytes, self.states))
 
     @property
     def query_tail(self) -> int:
@@ -104,8 +109,16 @@ class PrefixStats:
 
     def snapshot(self, lru: ByteLRU) -> PrefixStats:
         """These counters with ``lru``'s puts, evictions, entries and bytes (a copy)."""
-        return type(self)(self.hits, self.misses, self.tokens_saved, lru.stored, lru.evicted, len(lru.entries),
-                          lru.bytes, lru.max_bytes)
+        return type(self)(
+            self.hits,
+            self.misses,
+            self.tokens_saved,
+            lru.stored,
+            lru.evicted,
+            len(lru.entries),
+            lru.bytes,
+            lru.max_bytes,
+        )
 
 
 def boundary(input_ids: Sequence[int], spans) -> int | None:
@@ -125,8 +138,10 @@ def unsupported(specs: Sequence[LayerSpec], state_break: str | None = "no multi-
         return f"its recurrent layers cannot be continued: {state_break}"
     for i, spec in enumerate(specs):
         if spec.kind not in (FULL, SLIDING, LATENT, NONE, RECURRENT):
-            return (f"layer {i} is {spec.kind}{' with a recurrent state' if spec.state else ''}: a prefix cache "
-                    "reuses plain attention K/V only")
+            return (
+                f"layer {i} is {spec.kind}{' with a recurrent state' if spec.state else ''}: a prefix cache "
+                "reuses plain attention K/V only"
+            )
     return None
 
 
@@ -170,8 +185,12 @@ class PrefixCache:
             best = None
             for ids_of, entry in self._entries.items():
                 n = len(ids_of)
-                if (n <= limit and (best is None or n > best.length) and entry.query_tail + len(key) - n >= queries
-                        and key[:n] == ids_of):
+                if (
+                    n <= limit
+                    and (best is None or n > best.length)
+                    and entry.query_tail + len(key) - n >= queries
+                    and key[:n] == ids_of
+                ):
                     best = entry
             if best is None:
                 self._counts.misses += 1
@@ -224,7 +243,7 @@ class Capture:
             return
         p = self.length
         tail = min(self.queries, p)
-        parts = (keys[:, :, :p], values[:, :, :p], query[:, :, p - tail:p])
+        parts = (keys[:, :, :p], values[:, :, :p], query[:, :, p - tail : p])
         self.nbytes += sum(t.numel() * t.element_size() for t in parts)
         if self.nbytes > self.max_bytes:
             self.too_big, self.layers = True, []

@@ -28,15 +28,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from ..methods import adaptive, selection, shared_budget
-from ..models.layer_kinds import FULL, LATENT, NONE, RECURRENT, SLIDING, LayerSpec, UnsupportedModelError, layer_specs
+from ..models.layer_kinds import NONE, SLIDING, LayerSpec, UnsupportedModelError
 
 
 @dataclass
@@ -70,8 +71,10 @@ class Compressed:
         """Prompt positions held per layer, which says which layers were compressed (a recurrent
         layer's fixed-size state summarises the whole prompt: reported as the prompt length; an
         MLP-only layer holds nothing: 0)."""
-        return [layer.slots if isinstance(layer, LayerKV) else 0 if spec.kind == NONE else self.prompt_tokens
-                for spec, layer in zip(self.specs, self.layers)]
+        return [
+            layer.slots if isinstance(layer, LayerKV) else 0 if spec.kind == NONE else self.prompt_tokens
+            for spec, layer in zip(self.specs, self.layers)
+        ]
 
     def kept_positions(self) -> dict[int, torch.Tensor]:
         """Per attention layer, the prompt positions ``[1, H_kv, n]`` it holds."""
@@ -82,8 +85,12 @@ class Compressed:
         full = kept = 0
         for spec, layer in zip(self.specs, self.layers):
             if isinstance(layer, LayerKV):
-                per_token = layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
-                full += per_token * (self.prompt_tokens if spec.window is None else min(self.prompt_tokens, spec.window - 1))
+                per_token = (
+                    layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+                )
+                full += per_token * (
+                    self.prompt_tokens if spec.window is None else min(self.prompt_tokens, spec.window - 1)
+                )
                 kept += per_token * layer.slots
         return full, kept
 
@@ -136,8 +143,16 @@ class PromptHybridLayer(LinearAttentionLayer, PromptLayer):
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
 
-_STATE = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
-          "has_previous_state", "conv_kernel_size", "dtype", "device")
+_STATE = (
+    "conv_states",
+    "recurrent_states",
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+    "has_previous_state",
+    "conv_kernel_size",
+    "dtype",
+    "device",
+)
 
 
 def move_state(source: LinearAttentionLayer, target: LinearAttentionLayer) -> None:
@@ -170,8 +185,14 @@ class PromptCache(LayerTrackingCache):
     def __init__(self, model_config, specs: list[LayerSpec], prefix=None):
         super().__init__(config=model_config)
         layers = list(self.layers) + [None] * (len(specs) - len(self.layers))
-        self.layers = [layer if not spec.attends else PromptHybridLayer(spec, layer.number_of_states) if spec.state
-                       else PromptLayer(spec) for spec, layer in zip(specs, layers)]
+        self.layers = [
+            layer
+            if not spec.attends
+            else PromptHybridLayer(spec, layer.number_of_states)
+            if spec.state
+            else PromptLayer(spec)
+            for spec, layer in zip(specs, layers)
+        ]
         self.layer_class_to_replicate = None
         self.specs = specs
         self.compress: Any = None  # set inside compressing(): called after each layer's attention
@@ -208,10 +229,11 @@ class _Compressor:
         for name, layers in self.ranked.items():
             method, total, scores = self.out[name][0].method, 0, {}
             begin = time.perf_counter()
-            for i, (prefix, k, v, window, share) in layers.items():
+            for i, (prefix, k, v, _, share) in layers.items():
                 if prefix is None:  # no longer than its budget: kept whole
-                    self.out[name][0].layers[i] = LayerKV(k, v, torch.arange(k.shape[-2], device=k.device).expand(
-                        1, k.shape[1], -1))
+                    self.out[name][0].layers[i] = LayerKV(
+                        k, v, torch.arange(k.shape[-2], device=k.device).expand(1, k.shape[1], -1)
+                    )
                 else:
                     scores[i] = prefix[0]
                     total += share
@@ -221,8 +243,9 @@ class _Compressor:
             for (i, prefix), count in zip(scores.items(), counts):
                 _, k, v, window, _ = layers[i]
                 heads = k.shape[1]  # latent attention: one shared ranking, the same positions in every head
-                self.out[name][0].layers[i] = LayerKV(*shared_budget.keep_counts(
-                    prefix.expand(heads, -1)[None], k, v, count.expand(heads), window))
+                self.out[name][0].layers[i] = LayerKV(
+                    *shared_budget.keep_counts(prefix.expand(heads, -1)[None], k, v, count.expand(heads), window)
+                )
             self.out[name][0].selection_s += _clock(k) - begin
 
     def __call__(self, layer_idx: int, query: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring) -> None:
@@ -237,16 +260,36 @@ class _Compressor:
             begin = _clock(keys)
             if method is not None and method.rereads and method.ranked_across_layers(layer.spec.window is not None):
                 self.ranked.setdefault(name, {})[layer_idx] = reread_layer_scores(
-                    method, layer_idx, len(self.cache.specs), query, keys, values, vote_keys, scoring, self.reread, memo)
+                    method, layer_idx, len(self.cache.specs), query, keys, values, vote_keys, scoring, self.reread, memo
+                )
                 rows = [None]
             elif method is not None and method.rereads:
-                rows = compress_reread_layer(method, layer.spec, layer_idx, len(self.cache.specs), query, keys,
-                                             values, vote_keys, scoring, self.reread)
+                rows = compress_reread_layer(
+                    method,
+                    layer.spec,
+                    layer_idx,
+                    len(self.cache.specs),
+                    query,
+                    keys,
+                    values,
+                    vote_keys,
+                    scoring,
+                    self.reread,
+                )
             else:  # the prompt's part of a pass with a re-read after it, or the whole pass
                 cut = keys.shape[-2] - self.reread
-                rows = compress_layer(method, layer.spec, layer_idx, len(self.cache.specs), query[..., :cut, :],
-                                      keys[..., :cut, :], values[..., :cut, :], vote_keys[..., :cut, :], scoring,
-                                      self.lengths)
+                rows = compress_layer(
+                    method,
+                    layer.spec,
+                    layer_idx,
+                    len(self.cache.specs),
+                    query[..., :cut, :],
+                    keys[..., :cut, :],
+                    values[..., :cut, :],
+                    vote_keys[..., :cut, :],
+                    scoring,
+                    self.lengths,
+                )
             for compressed, kv in zip(self.out[name], rows):
                 compressed.layers[layer_idx] = kv
                 compressed.selection_s += _clock(keys) - begin
@@ -254,8 +297,13 @@ class _Compressor:
 
 
 @contextlib.contextmanager
-def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[int], reread: int = 0,
-                states: PromptCache | None = None) -> Iterator[dict[str, list[Compressed]]]:
+def compressing(
+    cache: PromptCache,
+    methods: Mapping[str, Any],
+    lengths: list[int],
+    reread: int = 0,
+    states: PromptCache | None = None,
+) -> Iterator[dict[str, list[Compressed]]]:
     """While open, the forward pass of a prompt of rows with ``lengths`` real tokens (left padded) run
     with ``cache`` compresses every attention layer right after its attention, once per method of
     ``methods`` (name -> config, ``None`` for the full cache). Yields name -> one :class:`Compressed`
@@ -270,8 +318,10 @@ def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[in
     if any(m is not None and m.rereads for m in methods.values()) and not (reread and len(lengths) == 1):
         raise ValueError("kvzip: the pass must hold one prompt and its re-read (Runner.prefill builds it)")
     if reread and states is None and any(spec.state for spec in cache.specs):
-        raise ValueError("kvzip: a model with recurrent layers needs their states after the prompt alone "
-                         "(Runner.prefill runs that pass)")
+        raise ValueError(
+            "kvzip: a model with recurrent layers needs their states after the prompt alone "
+            "(Runner.prefill runs that pass)"
+        )
     compressor = _Compressor(cache, dict(methods), list(lengths), reread)
     for name, method in compressor.methods.items():
         compressor.out[name] = [Compressed(method, cache.specs, [None] * len(cache.specs), real) for real in lengths]
@@ -285,7 +335,8 @@ def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[in
     if missed:
         raise UnsupportedModelError(
             f"layers {missed} never called the registered attention function with our cache: this model's code "
-            "does not pass attention keyword arguments through, so snapkv-rag cannot compress it")
+            "does not pass attention keyword arguments through, so snapkv-rag cannot compress it"
+        )
     if any(spec.state for spec in cache.specs) and len(lengths) > 1:
         raise ValueError("a prompt batch of a model with recurrent layers: prefill one prompt at a time")
     copies = [c for per_row in compressor.out.values() for c in per_row]
@@ -305,8 +356,18 @@ def compressing(cache: PromptCache, methods: Mapping[str, Any], lengths: list[in
                 compressed.layers[i] = own
 
 
-def compress_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, query: torch.Tensor, keys: torch.Tensor,
-                   values: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring, lengths: list[int]) -> list[LayerKV]:
+def compress_layer(
+    method,
+    spec: LayerSpec,
+    layer_idx: int,
+    num_layers: int,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    vote_keys: torch.Tensor,
+    scoring: Scoring,
+    lengths: list[int],
+) -> list[LayerKV]:
     """One layer's kept K/V per row under ``method``, from the prompt's ``keys``/``values`` ``[B, H_kv, L, D]``.
 
     Each row is selected in its own coordinates (a padded row alone, without its pads), so that a
@@ -331,22 +392,37 @@ def compress_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, que
             kept = torch.arange(k.shape[-2], device=k.device).expand(k.shape[0], k.shape[1], -1)
         elif latent:
             voters = vote_keys[rows, :, start:]
-            kept = method.select(q, voters, voters, None, layer_idx, num_layers, shared=True,
-                                 **scoring.as_kwargs())[2][:, :1].expand(k.shape[0], k.shape[1], -1)
+            kept = method.select(q, voters, voters, None, layer_idx, num_layers, shared=True, **scoring.as_kwargs())[2][
+                :, :1
+            ].expand(k.shape[0], k.shape[1], -1)
             k, v = selection.gather_positions(k, kept), selection.gather_positions(v, kept)
         else:  # a ragged method's heads: empty slots at position -1
             k, v, kept = method.select(q, k, v, None, layer_idx, num_layers, **scoring.as_kwargs())
-        out += [LayerKV(k[b:b + 1], v[b:b + 1], kept[b:b + 1] + start) for b in range(k.shape[0])]
+        out += [LayerKV(k[b : b + 1], v[b : b + 1], kept[b : b + 1] + start) for b in range(k.shape[0])]
     if method is not None and method.ragged:  # ragged heads: empty slots stay at -1, columns no head uses go
-        return [LayerKV(*adaptive.trim_padding(kv.keys, kv.values, torch.where(kv.positions >= start,
-                                                                               kv.positions - (length - real), -1)))
-                for kv, start, real in zip(out, starts, lengths)]
+        return [
+            LayerKV(
+                *adaptive.trim_padding(
+                    kv.keys, kv.values, torch.where(kv.positions >= start, kv.positions - (length - real), -1)
+                )
+            )
+            for kv, start, real in zip(out, starts, lengths)
+        ]
     return [LayerKV(kv.keys, kv.values, kv.positions - (length - real)) for kv, real in zip(out, lengths)]
 
 
-def compress_reread_layer(method, spec: LayerSpec, layer_idx: int, num_layers: int, query: torch.Tensor,
-                          keys: torch.Tensor, values: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring,
-                          reread: int) -> list[LayerKV]:
+def compress_reread_layer(
+    method,
+    spec: LayerSpec,
+    layer_idx: int,
+    num_layers: int,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    vote_keys: torch.Tensor,
+    scoring: Scoring,
+    reread: int,
+) -> list[LayerKV]:
     """One layer of one prompt under KVzip: the pass holds the prompt and then ``reread`` tokens of
     its re-read; their queries vote over the prompt's keys (a sliding layer: over the part of the
     prompt its window keeps, as :func:`compress_layer` does)."""
@@ -356,19 +432,36 @@ def compress_reread_layer(method, spec: LayerSpec, layer_idx: int, num_layers: i
     voters, k, v = vote_keys[:, :, start:], keys[:, :, start:length], values[:, :, start:length]
     readers = query[:, :, length:]
     if vote_keys.shape != keys.shape:  # multi-head latent attention: one selection for every head
-        kept = selection.kvzip_select(readers, voters, voters[:, :, : length - start], method, capacity=budget,
-                                        shared=True, sinks_from=start, **scoring.as_kwargs())[2][:, :1].expand(
-                                            k.shape[0], k.shape[1], -1)
+        kept = selection.kvzip_select(
+            readers,
+            voters,
+            voters[:, :, : length - start],
+            method,
+            capacity=budget,
+            shared=True,
+            sinks_from=start,
+            **scoring.as_kwargs(),
+        )[2][:, :1].expand(k.shape[0], k.shape[1], -1)
         k, v = selection.gather_positions(k, kept), selection.gather_positions(v, kept)
     else:
-        k, v, kept = selection.kvzip_select(readers, voters, v, method, capacity=budget, sinks_from=start,
-                                              **scoring.as_kwargs())
+        k, v, kept = selection.kvzip_select(
+            readers, voters, v, method, capacity=budget, sinks_from=start, **scoring.as_kwargs()
+        )
     return [LayerKV(k, v, kept + start)]
 
 
-def reread_layer_scores(method, layer_idx: int, num_layers: int, query: torch.Tensor,
-                        keys: torch.Tensor, values: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring,
-                        reread: int, memo: dict) -> tuple:
+def reread_layer_scores(
+    method,
+    layer_idx: int,
+    num_layers: int,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    vote_keys: torch.Tensor,
+    scoring: Scoring,
+    reread: int,
+    memo: dict,
+) -> tuple:
     """One full-attention layer under KVzip with a shared budget, before the ranking: ``(prefix scores
     [1, H_kv or 1, n] or None when the prompt fits the layer's budget, keys, values, window, the
     positions an even split would keep outside the window)``; scores already in ``memo`` reused."""
@@ -380,8 +473,9 @@ def reread_layer_scores(method, layer_idx: int, num_layers: int, query: torch.Te
     window = min(method.window_size, length)
     settings = (method.window_size, method.kernel_size, method.pooling, method.chunk, method.sink_tokens)
     if settings not in memo:
-        memo[settings] = selection.kvzip_scores(query[:, :, length:], vote_keys, length, method,
-                                                  shared=vote_keys.shape != keys.shape, **scoring.as_kwargs())
+        memo[settings] = selection.kvzip_scores(
+            query[:, :, length:], vote_keys, length, method, shared=vote_keys.shape != keys.shape, **scoring.as_kwargs()
+        )
     prefix = memo[settings]
     return prefix, k, v, window, prefix.shape[1] * (budget - window)
 

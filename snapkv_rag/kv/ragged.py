@@ -37,8 +37,9 @@ class PackedKV:
     @property
     def nbytes(self) -> int:
         if self.padded is not None:
-            return sum(t.numel() * t.element_size() for t in (self.padded.keys, self.padded.values,
-                                                                self.padded.positions))
+            return sum(
+                t.numel() * t.element_size() for t in (self.padded.keys, self.padded.values, self.padded.positions)
+            )
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.counts))
 
     @property
@@ -62,8 +63,13 @@ def pack(kv: LayerKV) -> PackedKV:
     if not torch.equal(positions >= 0, trailing) or kv.keys.shape[0] != 1:
         empty = kv.keys.new_zeros(0)
         return PackedKV(empty, empty, empty.long(), counts, padded=kv)
-    return PackedKV(kv.keys[0][trailing].clone(), kv.values[0][trailing].clone(), positions[trailing].clone(), counts,
-                    positions.shape[-1])
+    return PackedKV(
+        kv.keys[0][trailing].clone(),
+        kv.values[0][trailing].clone(),
+        positions[trailing].clone(),
+        counts,
+        positions.shape[-1],
+    )
 
 
 def unpack(packed: PackedKV) -> LayerKV:

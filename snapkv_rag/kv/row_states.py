@@ -71,16 +71,20 @@ class RowStates:
     def write(self, row: int, states: dict[int, LinearAttentionLayer]) -> None:
         """Write the joining request's ``states`` (layer -> its batch-1 state) into ``row``."""
         if set(states) != set(self.layers):
-            raise ValueError(f"row states: the request carries states for layers {sorted(states)}, the cache "
-                             f"holds layers {sorted(self.layers)}")
+            raise ValueError(
+                f"row states: the request carries states for layers {sorted(states)}, the cache "
+                f"holds layers {sorted(self.layers)}"
+            )
         with torch.inference_mode():
             for i, state in states.items():
                 for name in _FIELDS:
                     for n, tensor in getattr(state, name).items():
                         buffer = self.buffers[i][name].get(n)
                         if (tensor is None) != (buffer is None):
-                            raise ValueError(f"row states: layer {i} {name}[{n}] is "
-                                             f"{'missing' if tensor is None else 'unexpected'} in the joining request")
+                            raise ValueError(
+                                f"row states: layer {i} {name}[{n}] is "
+                                f"{'missing' if tensor is None else 'unexpected'} in the joining request"
+                            )
                         if tensor is not None:
                             buffer[row].copy_(tensor[0])
 
@@ -102,21 +106,31 @@ class RowStates:
                 getattr(layer, name).update(dict.fromkeys(getattr(layer, name)))
 
     def _tensors(self):
-        return (t for per_field in self.buffers.values() for d in per_field.values() for t in d.values()
-                if t is not None)
+        return (
+            t for per_field in self.buffers.values() for d in per_field.values() for t in d.values() if t is not None
+        )
 
 
 def state_bytes(states: dict[int, LinearAttentionLayer]) -> int:
     """The bytes one request's conv / SSM ``states`` (layer -> its batch-1 state) take: one row of the
     buffers, whatever the prompt's length."""
-    return sum(t.numel() * t.element_size() for state in states.values() for name in _FIELDS
-               for t in getattr(state, name).values() if t is not None)
+    return sum(
+        t.numel() * t.element_size()
+        for state in states.values()
+        for name in _FIELDS
+        for t in getattr(state, name).values()
+        if t is not None
+    )
 
 
 def _flags(target: LinearAttentionLayer, source: LinearAttentionLayer) -> None:
     """The joining state's flags (initialised, has a previous state, kernel size, dtype and device):
     the model's decode path reads them to take its one-token branch."""
-    for name in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
-                 "conv_kernel_size"):
+    for name in (
+        "is_conv_states_initialized",
+        "is_recurrent_states_initialized",
+        "has_previous_state",
+        "conv_kernel_size",
+    ):
         setattr(target, name, dict(getattr(source, name)))
     target.dtype, target.device = source.dtype, source.device

@@ -30,7 +30,8 @@ import logging
 import torch
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from .prompt_cache import SLIDING, Compressed, LayerKV, LayerSpec, LayerTrackingCache
+from ..models.layer_kinds import SLIDING, LayerSpec
+from .prompt_cache import Compressed, LayerKV, LayerTrackingCache
 from .row_states import RowStates, StateLayer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
@@ -99,18 +100,21 @@ class SlotCache(LayerTrackingCache):
     When the last row leaves, the buffers are given back, unless ``keep`` (compiled steps: their
     graphs belong to one allocation, so it stays for the next requests)."""
 
-    def __init__(self, model_config, specs: list[LayerSpec], max_rows: int, device: torch.device,
-                 keep: bool = False):
+    def __init__(self, model_config, specs: list[LayerSpec], max_rows: int, device: torch.device, keep: bool = False):
         super().__init__(config=model_config)
         layers = list(self.layers) + [None] * (len(specs) - len(self.layers))
         self.recurrent = any(spec.state for spec in specs)  # recurrent or hybrid layers: per-row states
         self.max_rows = max_rows
         self.specs, self.device, self.keep = specs, device, keep
         attention = [i for i, spec in enumerate(specs) if spec.attends]
-        self.layers = [(StateLayer(number_of_states=layer.number_of_states) if spec.state else layer)
-                       if not spec.attends else SlotLayer(spec, self, attention.index(i)) if not spec.state
-                       else SlotHybridLayer(spec, self, attention.index(i), layer.number_of_states)
-                       for i, (spec, layer) in enumerate(zip(specs, layers))]
+        self.layers = [
+            (StateLayer(number_of_states=layer.number_of_states) if spec.state else layer)
+            if not spec.attends
+            else SlotLayer(spec, self, attention.index(i))
+            if not spec.state
+            else SlotHybridLayer(spec, self, attention.index(i), layer.number_of_states)
+            for i, (spec, layer) in enumerate(zip(specs, layers))
+        ]
         self.states = RowStates({i: self.layers[i] for i, spec in enumerate(specs) if spec.state})
         self.layer_class_to_replicate = None
         self.attention = [self.layers[i] for i in attention]
@@ -147,8 +151,8 @@ class SlotCache(LayerTrackingCache):
         def write(slot_layer) -> None:  # one layer's keys and values into the row (positions below)
             i = kvs[slot_layer.index]
             kv = compressed.layers[i]
-            slot_layer.keys[row, :, start - kv.slots:start] = kv.keys[0]
-            slot_layer.values[row, :, start - kv.slots:start] = kv.values[0]
+            slot_layer.keys[row, :, start - kv.slots : start] = kv.keys[0]
+            slot_layer.values[row, :, start - kv.slots : start] = kv.values[0]
             if consume:
                 compressed.layers[i] = None
 
@@ -159,7 +163,7 @@ class SlotCache(LayerTrackingCache):
                     write(slot_layer)
                 n = layer_positions.shape[-1]
                 self.positions[slot_layer.index, row] = -1
-                self.positions[slot_layer.index, row, :, start - n:start] = layer_positions
+                self.positions[slot_layer.index, row, :, start - n : start] = layer_positions
             self.counters[:, row] = torch.tensor([start, compressed.prompt_tokens, 1, token])
             if states:
                 self.states.reserve(self.rows, states)
@@ -205,7 +209,11 @@ class SlotCache(LayerTrackingCache):
             self._undo_growth(written)
             raise
         if self.device.type == "cuda":  # written in place by every step: fixed addresses for CUDA graphs
-            for buffer in [self.positions, self.counters, *(t for layer in self.attention for t in (layer.keys, layer.values))]:
+            for buffer in [
+                self.positions,
+                self.counters,
+                *(t for layer in self.attention for t in (layer.keys, layer.values)),
+            ]:
                 torch._dynamo.mark_static_address(buffer, guard=False)
         self.rows, self.capacity = new_rows, new_capacity
         return True
@@ -226,8 +234,9 @@ class SlotCache(LayerTrackingCache):
             if write is not None:
                 write(layer)
         heads = self.attention[0].keys.shape[1]
-        positions = torch.full((len(self.attention), new_rows, heads, new_capacity), -1, dtype=torch.long,
-                               device=self.device)
+        positions = torch.full(
+            (len(self.attention), new_rows, heads, new_capacity), -1, dtype=torch.long, device=self.device
+        )
         counters = torch.zeros((4, new_rows), dtype=torch.long, device=self.device)
         if self.rows:
             positions[:, : self.rows, :, : self.capacity] = self.positions
@@ -253,7 +262,10 @@ class SlotCache(LayerTrackingCache):
             return
         for layer in self.attention:
             if layer.index in grown:
-                keys, values = layer.keys[: self.rows, :, : self.capacity], layer.values[: self.rows, :, : self.capacity]
+                keys, values = (
+                    layer.keys[: self.rows, :, : self.capacity],
+                    layer.values[: self.rows, :, : self.capacity],
+                )
                 layer.keys, layer.values, layer.views = keys, values, _views(keys, values, self.rows)
 
     def _release(self) -> None:

@@ -15,13 +15,13 @@ and the tail so far.
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
-from .prompt_cache import LayerKV, PromptCache, PromptLayer, move_state
 from ..models.layer_kinds import ONE_PASS, ONE_PASS_FROM  # noqa: F401 (where the tests read them)
+from .prompt_cache import LayerKV, PromptCache, PromptLayer, move_state
 
 
 def tail_hook(cache, layers: Sequence[LayerKV | None], length: int, total: int):
@@ -68,8 +68,9 @@ def with_states(cache: PromptCache, states: Sequence) -> PromptCache:
     return cache
 
 
-def stepwise_tail(forward: Callable, cache: PromptCache, prefix, ids: list[int], device: torch.device
-                  ) -> tuple[list, torch.Tensor]:
+def stepwise_tail(
+    forward: Callable, cache: PromptCache, prefix, ids: list[int], device: torch.device
+) -> tuple[list, torch.Tensor]:
     """``ids[prefix.length:]`` one token per step over ``cache`` (made over ``prefix``, the stored
     layers padded, with :func:`with_states`): each step's K/V join the slots the next step sees.
     Returns the layers (the kept K/V and the tail's) and the last token's logits.

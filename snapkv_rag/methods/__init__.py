@@ -18,6 +18,20 @@ from .registry import METHODS, is_method, method_class, register
 from .snapkv import SnapKVConfig
 from .streaming import StreamingLLMConfig
 
-__all__ = ["Method", "METHODS", "register", "method_class", "is_method", "SnapKVConfig", "PyramidKVConfig",
-           "DocSnapKVConfig", "AdaSnapKVConfig", "LookaheadSnapKVConfig", "KeyNormConfig", "KVzipConfig",
-           "StreamingLLMConfig", "H2OConfig", "RandomConfig"]
+__all__ = [
+    "Method",
+    "METHODS",
+    "register",
+    "method_class",
+    "is_method",
+    "SnapKVConfig",
+    "PyramidKVConfig",
+    "DocSnapKVConfig",
+    "AdaSnapKVConfig",
+    "LookaheadSnapKVConfig",
+    "KeyNormConfig",
+    "KVzipConfig",
+    "StreamingLLMConfig",
+    "H2OConfig",
+    "RandomConfig",
+]

@@ -25,13 +25,23 @@ class AdaSnapKVConfig(SnapKVConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(isinstance(self.floor, (int, float)) and not isinstance(self.floor, bool) and 0 <= self.floor <= 1,
-                "floor", f"must be a share between 0 and 1, got {self.floor!r}")
+        require(
+            isinstance(self.floor, (int, float)) and not isinstance(self.floor, bool) and 0 <= self.floor <= 1,
+            "floor",
+            f"must be a share between 0 and 1, got {self.floor!r}",
+        )
 
     def select(self, query, keys, values, attention_mask, layer_idx, num_layers, *, shared=False, **scoring):
         from . import adaptive  # the tensor work loads at the first selection, not with the settings
 
         if shared:  # one latent for every head: one selection, SnapKV's
             return super().select(query, keys, values, attention_mask, layer_idx, num_layers, shared=True, **scoring)
-        return adaptive.ada_snapkv_select(query[..., -self.window_size:, :], keys, values, self, attention_mask,
-                                          capacity=self.budget_for_layer(layer_idx, num_layers), **scoring)
+        return adaptive.ada_snapkv_select(
+            query[..., -self.window_size :, :],
+            keys,
+            values,
+            self,
+            attention_mask,
+            capacity=self.budget_for_layer(layer_idx, num_layers),
+            **scoring,
+        )

@@ -38,9 +38,16 @@ def head_counts(ranked: torch.Tensor, per_head: int, floor: int) -> torch.Tensor
     return torch.zeros(b, h * n, dtype=torch.long, device=ranked.device).scatter_(1, chosen, 1).view(b, h, n).sum(-1)
 
 
-def ada_snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-                      config: AdaSnapKVConfig, attention_mask: torch.Tensor | None = None, *, capacity: int | None = None,
-                      **scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ada_snapkv_select(
+    query_window: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    config: AdaSnapKVConfig,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    capacity: int | None = None,
+    **scoring,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(keys, values, kept_positions)`` ``[B, H_kv, C, ...]`` with ``C`` the largest head's count
     plus the window; a head's unused slots come first, at position :data:`EMPTY` with zero K/V."""
     capacity = config.max_capacity_prompt if capacity is None else capacity
@@ -59,8 +66,9 @@ def ada_snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, valu
     return keep_ranked(order, key_states, value_states, counts, window)
 
 
-def keep_ranked(order: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, counts: torch.Tensor,
-                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def keep_ranked(
+    order: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, counts: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each head's first ``counts`` ``[B, H]`` positions of its ranking ``order`` ``[B, H, >= max
     count]`` (best first) plus the last ``window`` positions, as ``(keys, values, kept_positions)``
     padded to the widest head: a head's unused slots first, at :data:`EMPTY` with zero K/V."""
@@ -80,8 +88,11 @@ def keep_ranked(order: torch.Tensor, key_states: torch.Tensor, value_states: tor
 def trim_padding(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
     """One row's ``[1, H, C, ...]`` without the leading columns that every head leaves empty."""
     unused = int((positions < 0).sum(-1).min())
-    return (keys, values, positions) if unused == 0 else (keys[:, :, unused:], values[:, :, unused:],
-                                                          positions[:, :, unused:])
+    return (
+        (keys, values, positions)
+        if unused == 0
+        else (keys[:, :, unused:], values[:, :, unused:], positions[:, :, unused:])
+    )
 
 
 def held_share(positions: torch.Tensor) -> float:

@@ -29,17 +29,28 @@ def check_budget(config, floor_name: str, floor: int) -> None:
     if config.ratio is None:
         if config.max_capacity_prompt is None:
             object.__setattr__(config, "max_capacity_prompt", DEFAULT_BUDGET)
-        require(isinstance(config.max_capacity_prompt, int) and config.max_capacity_prompt > floor,
-                "max_capacity_prompt",
-                f"must be an integer larger than {floor_name}={floor}, got {config.max_capacity_prompt!r}")
+        require(
+            isinstance(config.max_capacity_prompt, int) and config.max_capacity_prompt > floor,
+            "max_capacity_prompt",
+            f"must be an integer larger than {floor_name}={floor}, got {config.max_capacity_prompt!r}",
+        )
         return
-    require(config.max_capacity_prompt is None, "ratio", "give max_capacity_prompt (tokens kept) or ratio (a "
-            f"share of each prompt), not both; got max_capacity_prompt={config.max_capacity_prompt!r}")
-    require(isinstance(config.ratio, (int, float)) and not isinstance(config.ratio, bool) and 0 < config.ratio <= 1,
-            "ratio", f"must be a share of the prompt in (0, 1], e.g. 0.5, got {config.ratio!r}")
-    require(isinstance(config.min_capacity_prompt, int) and config.min_capacity_prompt > floor,
-            "min_capacity_prompt",
-            f"must be an integer larger than {floor_name}={floor}, got {config.min_capacity_prompt!r}")
+    require(
+        config.max_capacity_prompt is None,
+        "ratio",
+        "give max_capacity_prompt (tokens kept) or ratio (a "
+        f"share of each prompt), not both; got max_capacity_prompt={config.max_capacity_prompt!r}",
+    )
+    require(
+        isinstance(config.ratio, (int, float)) and not isinstance(config.ratio, bool) and 0 < config.ratio <= 1,
+        "ratio",
+        f"must be a share of the prompt in (0, 1], e.g. 0.5, got {config.ratio!r}",
+    )
+    require(
+        isinstance(config.min_capacity_prompt, int) and config.min_capacity_prompt > floor,
+        "min_capacity_prompt",
+        f"must be an integer larger than {floor_name}={floor}, got {config.min_capacity_prompt!r}",
+    )
 
 
 def first_head(keys: torch.Tensor, values: torch.Tensor, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,9 +101,18 @@ class Method:
         """Prompt positions kept by layer ``layer_idx`` (per KV head; PyramidKV varies it by depth)."""
         return self.max_capacity_prompt
 
-    def select(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               attention_mask: torch.Tensor | None, layer_idx: int, num_layers: int, *, shared: bool = False,
-               **scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def select(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layer_idx: int,
+        num_layers: int,
+        *,
+        shared: bool = False,
+        **scoring,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One layer's kept ``(keys, values, kept_positions)`` (:mod:`snapkv_rag.methods.selection`'s
         shapes). ``query`` holds all prompt queries ``[B, H, L, D]``: a window method reads its end.
         ``scoring``: the layer's ``scale``, ``softcap``, ``sinks``; ``shared``: one selection for all

@@ -27,8 +27,11 @@ class DocSnapKVConfig(SnapKVConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.spans is None or isinstance(self.spans, PromptSpans), "spans",
-                f"must be a PromptSpans or None, got {type(self.spans).__name__}")
+        require(
+            self.spans is None or isinstance(self.spans, PromptSpans),
+            "spans",
+            f"must be a PromptSpans or None, got {type(self.spans).__name__}",
+        )
 
     def with_spans(self, spans: PromptSpans | None) -> DocSnapKVConfig:
         return replace(self, spans=spans)
@@ -36,6 +39,13 @@ class DocSnapKVConfig(SnapKVConfig):
     def select(self, query, keys, values, attention_mask, layer_idx, num_layers, *, shared=False, **scoring):
         from . import selection  # the tensor work loads at the first selection, not with the settings
 
-        return selection.doc_snapkv_select(query, keys, values, self, attention_mask,
-                                           capacity=self.budget_for_layer(layer_idx, num_layers), shared=shared,
-                                           **scoring)
+        return selection.doc_snapkv_select(
+            query,
+            keys,
+            values,
+            self,
+            attention_mask,
+            capacity=self.budget_for_layer(layer_idx, num_layers),
+            shared=shared,
+            **scoring,
+        )

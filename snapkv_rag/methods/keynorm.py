@@ -27,5 +27,6 @@ class KeyNormConfig(SnapKVConfig):
     def select(self, query, keys, values, attention_mask, layer_idx, num_layers, *, shared=False, **scoring):
         from . import selection  # the tensor work loads at the first selection, not with the settings
 
-        return selection.key_norm_select(keys, values, self, attention_mask,
-                                         capacity=self.budget_for_layer(layer_idx, num_layers), shared=shared)
+        return selection.key_norm_select(
+            keys, values, self, attention_mask, capacity=self.budget_for_layer(layer_idx, num_layers), shared=shared
+        )

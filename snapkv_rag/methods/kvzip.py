@@ -44,12 +44,17 @@ class KVzipConfig(SnapKVConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(isinstance(self.chunk, int) and self.chunk > 0, "chunk",
-                f"must be a positive integer, got {self.chunk!r}")
-        require(self.share in ("head", "layer", "model"), "share",
-                f"must be 'head', 'layer' or 'model', got {self.share!r}")
-        require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0, "sink_tokens",
-                f"must be a non-negative integer, got {self.sink_tokens!r}")
+        require(
+            isinstance(self.chunk, int) and self.chunk > 0, "chunk", f"must be a positive integer, got {self.chunk!r}"
+        )
+        require(
+            self.share in ("head", "layer", "model"), "share", f"must be 'head', 'layer' or 'model', got {self.share!r}"
+        )
+        require(
+            isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
+            "sink_tokens",
+            f"must be a non-negative integer, got {self.sink_tokens!r}",
+        )
         require(self.fit in ("positions", "slots"), "fit", f"must be 'positions' or 'slots', got {self.fit!r}")
 
     def ranked_across_layers(self, sliding: bool) -> bool:
@@ -58,5 +63,7 @@ class KVzipConfig(SnapKVConfig):
         return self.share != "head" and not sliding
 
     def select(self, query, keys, values, attention_mask, layer_idx, num_layers, *, shared=False, **scoring):
-        raise ValueError("kvzip: its votes come from a re-read pass that the engine's prefill runs "
-                         "(kvzip_select takes the re-reading queries)")
+        raise ValueError(
+            "kvzip: its votes come from a re-read pass that the engine's prefill runs "
+            "(kvzip_select takes the re-reading queries)"
+        )

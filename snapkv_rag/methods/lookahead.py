@@ -30,5 +30,8 @@ class LookaheadSnapKVConfig(AdaSnapKVConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(isinstance(self.lookahead, int) and not isinstance(self.lookahead, bool) and 1 <= self.lookahead <= 256,
-                "lookahead", f"must be a number of drafted tokens from 1 to 256, got {self.lookahead!r}")
+        require(
+            isinstance(self.lookahead, int) and not isinstance(self.lookahead, bool) and 1 <= self.lookahead <= 256,
+            "lookahead",
+            f"must be a number of drafted tokens from 1 to 256, got {self.lookahead!r}",
+        )

@@ -18,6 +18,9 @@ class RecentWindowConfig(Method):
     min_capacity_prompt: int = 128
 
     def __post_init__(self) -> None:
-        require(isinstance(self.recent_size, int) and self.recent_size > 0, "recent_size",
-                f"must be a positive integer, got {self.recent_size!r}")
+        require(
+            isinstance(self.recent_size, int) and self.recent_size > 0,
+            "recent_size",
+            f"must be a positive integer, got {self.recent_size!r}",
+        )
         check_budget(self, "recent_size", self.recent_size)

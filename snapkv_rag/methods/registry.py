@@ -20,9 +20,21 @@ from .random import RandomConfig
 from .snapkv import SnapKVConfig
 from .streaming import StreamingLLMConfig
 
-METHODS: dict[str, type[Method]] = {cls.method: cls for cls in (
-    SnapKVConfig, PyramidKVConfig, DocSnapKVConfig, AdaSnapKVConfig, LookaheadSnapKVConfig, KeyNormConfig,
-    KVzipConfig, StreamingLLMConfig, H2OConfig, RandomConfig)}
+METHODS: dict[str, type[Method]] = {
+    cls.method: cls
+    for cls in (
+        SnapKVConfig,
+        PyramidKVConfig,
+        DocSnapKVConfig,
+        AdaSnapKVConfig,
+        LookaheadSnapKVConfig,
+        KeyNormConfig,
+        KVzipConfig,
+        StreamingLLMConfig,
+        H2OConfig,
+        RandomConfig,
+    )
+}
 """Every method by its name (``config.method``)."""
 
 

@@ -16,7 +16,8 @@ selection does not depend on where a row's tokens sit in a padded batch.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +42,15 @@ def _group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return query.view(b, num_kv_heads, h // num_kv_heads, q, d)
 
 
-def attention_probs(query: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                    scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def attention_probs(
+    query: torch.Tensor,
+    key_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal softmax attention of the last ``q`` prompt queries over all ``L`` keys, in float32.
 
     Returns ``[B, H_kv, H/H_kv, q, L]``. Query ``i`` sits at position ``L - q + i`` and sees keys up
@@ -72,8 +79,9 @@ def attention_probs(query: torch.Tensor, key_states: torch.Tensor, attention_mas
     return probs.nan_to_num_(nan=0.0) if attention_mask is not None or sinks is not None else probs
 
 
-def snapkv_votes(query_window: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 **scoring) -> torch.Tensor:
+def snapkv_votes(
+    query_window: torch.Tensor, key_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **scoring
+) -> torch.Tensor:
     """Steps 1–3: attention of the observation window summed over its queries and averaged over
     the query heads of each KV head. Returns ``[B, H_kv, L]`` (the caller keeps the prefix part).
     ``scoring``: the layer's ``scale``, ``softcap`` and ``sinks`` (see :func:`attention_probs`)."""
@@ -97,9 +105,14 @@ def pool_votes(votes: torch.Tensor, kernel_size: int, pooling: str) -> torch.Ten
     return pooled.reshape(b, h, n)
 
 
-def keep_top(prefix_scores: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int,
-             recent: int, attention_mask: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def keep_top(
+    prefix_scores: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    capacity: int,
+    recent: int,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 5, shared by every method: the ``capacity - recent`` best-scored prefix positions plus
     the last ``recent`` positions, gathered from K and V. Padded prefix positions are never chosen
     while a real one is left. ``prefix_scores`` is ``[B, H_kv, L - recent]``."""
@@ -129,9 +142,17 @@ def gather_positions(states: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return states.gather(2, positions.unsqueeze(-1).expand(*positions.shape, states.shape[-1]))
 
 
-def snapkv_select(query_window: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-                  config: SnapKVConfig, attention_mask: torch.Tensor | None = None, *, capacity: int | None = None,
-                  shared: bool = False, **scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def snapkv_select(
+    query_window: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    config: SnapKVConfig,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    capacity: int | None = None,
+    shared: bool = False,
+    **scoring,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SnapKV, steps 1–5 of the paper: returns ``(keys, values, kept_positions)``.
 
     ``query_window`` is ``[B, H, w, D]``: the last ``w`` prompt queries. ``capacity`` overrides
@@ -193,16 +214,24 @@ def pool_within(votes: torch.Tensor, doc_of: torch.Tensor, kernel_size: int, poo
     if pad == 0:
         return votes
     slots = torch.arange(votes.shape[-1], device=votes.device) + doc_of * pad
-    gapped = votes.new_full((*votes.shape[:-1], votes.shape[-1] + pad * int(doc_of[-1])),
-                            NEG_INF if pooling == "max" else 0.0)
+    gapped = votes.new_full(
+        (*votes.shape[:-1], votes.shape[-1] + pad * int(doc_of[-1])), NEG_INF if pooling == "max" else 0.0
+    )
     gapped[..., slots] = votes
     return pool_votes(gapped, kernel_size, pooling)[..., slots]
 
 
-def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-                      config: DocSnapKVConfig, attention_mask: torch.Tensor | None = None, *,
-                      capacity: int | None = None, shared: bool = False, **scoring
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def doc_snapkv_select(
+    query: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    config: DocSnapKVConfig,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    capacity: int | None = None,
+    shared: bool = False,
+    **scoring,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Document-aware SnapKV (:class:`DocSnapKVConfig`): returns ``(keys, values, kept_positions)``.
 
     ``query`` is ``[B, H, L, D]`` (all prompt queries; the voters are taken from its end). Every
@@ -217,17 +246,29 @@ def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_state
     spans = [] if config.spans is None else config.spans.in_slice(length)
     device = key_states.device
     positions = torch.tensor([p for start, stop in spans for p in range(start, stop)], dtype=torch.long, device=device)
-    doc_of = torch.tensor([d for d, (start, stop) in enumerate(spans) for _ in range(start, stop)], dtype=torch.long,
-                          device=device)
+    doc_of = torch.tensor(
+        [d for d, (start, stop) in enumerate(spans) for _ in range(start, stop)], dtype=torch.long, device=device
+    )
     in_doc = torch.zeros(length, dtype=torch.bool, device=device)
     in_doc[positions] = True
-    in_doc[length - min(config.window_size, length):] = False  # the observation window is always kept
-    real = (torch.ones(b, length, dtype=torch.bool, device=device) if attention_mask is None
-            else attention_mask.to(device=device, dtype=torch.bool))
+    in_doc[length - min(config.window_size, length) :] = False  # the observation window is always kept
+    real = (
+        torch.ones(b, length, dtype=torch.bool, device=device)
+        if attention_mask is None
+        else attention_mask.to(device=device, dtype=torch.bool)
+    )
     fixed = real & ~in_doc
     if not spans or length <= capacity or int(fixed.sum(-1).max()) >= capacity:
-        return snapkv_select(query[..., -config.window_size:, :], key_states, value_states, config, attention_mask,
-                             capacity=capacity, shared=shared, **scoring)
+        return snapkv_select(
+            query[..., -config.window_size :, :],
+            key_states,
+            value_states,
+            config,
+            attention_mask,
+            capacity=capacity,
+            shared=shared,
+            **scoring,
+        )
     window = min(config.window_size, query.shape[-2])
     votes = snapkv_votes(query[..., -window:, :], key_states, attention_mask, **scoring)  # [B, H_kv, L]
     if shared:
@@ -237,8 +278,10 @@ def doc_snapkv_select(query: torch.Tensor, key_states: torch.Tensor, value_state
     # each document's tokens in (score desc, position asc) order, the documents one after another
     order = best_positions(pooled, pooled.shape[-1])
     order = order.gather(-1, doc_of[order].argsort(dim=-1, stable=True))
-    rank = torch.arange(len(doc_of), device=device) - torch.tensor(
-        [0] + [stop - start for start, stop in spans[:-1]], device=device).cumsum(0)[doc_of]
+    rank = (
+        torch.arange(len(doc_of), device=device)
+        - torch.tensor([0] + [stop - start for start, stop in spans[:-1]], device=device).cumsum(0)[doc_of]
+    )
     rows = []
     for row in range(b):
         outside = torch.nonzero(fixed[row]).flatten().expand(heads, -1)
@@ -262,9 +305,15 @@ def key_norm_scores(key_states: torch.Tensor) -> torch.Tensor:
     return -torch.linalg.vector_norm(key_states.double(), dim=-1)
 
 
-def key_norm_select(key_states: torch.Tensor, value_states: torch.Tensor, config: KeyNormConfig,
-                    attention_mask: torch.Tensor | None = None, *, capacity: int | None = None, shared: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def key_norm_select(
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    config: KeyNormConfig,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    capacity: int | None = None,
+    shared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Key-norm selection (:class:`KeyNormConfig`): the prefix positions of shortest keys, pooled
     like SnapKV's votes, plus the last ``window_size`` positions. ``shared``: one selection for all
     heads from their scores averaged (multi-head latent attention, see :func:`snapkv_select`)."""
@@ -280,8 +329,9 @@ def key_norm_select(key_states: torch.Tensor, value_states: torch.Tensor, config
     return keep_top(pooled, key_states, value_states, capacity, window, attention_mask)
 
 
-def reread_scores(reread_query: torch.Tensor, key_states: torch.Tensor, prompt_len: int, *, chunk: int = 512,
-                  **scoring) -> torch.Tensor:
+def reread_scores(
+    reread_query: torch.Tensor, key_states: torch.Tensor, prompt_len: int, *, chunk: int = 512, **scoring
+) -> torch.Tensor:
     """KVzip's votes ``[B, H_kv, prompt_len]``: for each prompt key, the largest attention weight any
     re-reading query (``reread_query`` ``[B, H, R, D]``, at positions ``prompt_len ..`` after the
     prompt) or query head of its group gives it. ``key_states`` ``[B, H_kv, prompt_len + R, D]`` are
@@ -296,9 +346,17 @@ def reread_scores(reread_query: torch.Tensor, key_states: torch.Tensor, prompt_l
     return best
 
 
-def kvzip_select(reread_query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-                 config: KVzipConfig, *, capacity: int | None = None, shared: bool = False, sinks_from: int = 0,
-                 **scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kvzip_select(
+    reread_query: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    config: KVzipConfig,
+    *,
+    capacity: int | None = None,
+    shared: bool = False,
+    sinks_from: int = 0,
+    **scoring,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KVzip-style selection (:class:`KVzipConfig`) of one prompt of ``value_states.shape[-2]``
     positions: ``key_states`` hold the prompt's keys and then the re-read's (see
     :func:`reread_scores`); returns the prompt's kept ``(keys, values, kept_positions)``."""
@@ -314,8 +372,16 @@ def kvzip_select(reread_query: torch.Tensor, key_states: torch.Tensor, value_sta
     return keep_top(pooled, prompt_keys, value_states, capacity, window)
 
 
-def kvzip_scores(reread_query: torch.Tensor, key_states: torch.Tensor, length: int, config: KVzipConfig, *,
-                 shared: bool = False, sinks_from: int = 0, **scoring) -> torch.Tensor:
+def kvzip_scores(
+    reread_query: torch.Tensor,
+    key_states: torch.Tensor,
+    length: int,
+    config: KVzipConfig,
+    *,
+    shared: bool = False,
+    sinks_from: int = 0,
+    **scoring,
+) -> torch.Tensor:
     """KVzip's pooled prefix scores ``[B, H_kv (1 if shared), length - window]`` (see
     :func:`reread_scores`), the first ``config.sink_tokens`` prompt positions at ``inf`` (the prefix
     starts at prompt position ``sinks_from``: a sliding layer's share)."""
@@ -330,9 +396,12 @@ def kvzip_scores(reread_query: torch.Tensor, key_states: torch.Tensor, length: i
     return pooled
 
 
-def streaming_select(key_states: torch.Tensor, value_states: torch.Tensor, config: StreamingLLMConfig,
-                     attention_mask: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def streaming_select(
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    config: StreamingLLMConfig,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """StreamingLLM: the first ``sink_tokens`` real positions and the most recent ones."""
     b, h_kv, length, _ = key_states.shape
     capacity = config.max_capacity_prompt
@@ -342,9 +411,17 @@ def streaming_select(key_states: torch.Tensor, value_states: torch.Tensor, confi
     return keep_top(scores, key_states, value_states, capacity, recent, attention_mask)
 
 
-def h2o_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, config: H2OConfig,
-               attention_mask: torch.Tensor | None = None, *, chunk: int = 512, shared: bool = False, **scoring
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def h2o_select(
+    query: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    config: H2OConfig,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    chunk: int = 512,
+    shared: bool = False,
+    **scoring,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """H2O-style: attention accumulated over every prompt query (``query`` is ``[B, H, L, D]``),
     computed in chunks of queries so that no ``L x L`` matrix is held at once."""
     length = key_states.shape[-2]
@@ -354,24 +431,39 @@ def h2o_select(query: torch.Tensor, key_states: torch.Tensor, value_states: torc
     for start in range(0, length, chunk):
         stop = min(start + chunk, length)
         # attention_probs places the queries at the end of the keys it is given
-        probs = attention_probs(query[..., start:stop, :], key_states[..., :stop, :],
-                                None if attention_mask is None else attention_mask[:, :stop], **scoring)
+        probs = attention_probs(
+            query[..., start:stop, :],
+            key_states[..., :stop, :],
+            None if attention_mask is None else attention_mask[:, :stop],
+            **scoring,
+        )
         part = F.pad(probs.sum(dim=-2).mean(dim=2), (0, length - stop))
         totals = part if totals is None else totals + part
     recent = config.recent_size
     if shared:  # one selection for all heads (see snapkv_select)
         totals, key_states, value_states = totals.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
-    return keep_top(totals[..., : length - recent], key_states, value_states, config.max_capacity_prompt, recent,
-                    attention_mask)
+    return keep_top(
+        totals[..., : length - recent], key_states, value_states, config.max_capacity_prompt, recent, attention_mask
+    )
 
 
-def random_select(key_states: torch.Tensor, value_states: torch.Tensor, config: RandomConfig,
-                  attention_mask: torch.Tensor | None = None, *, layer_idx: int = 0
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_select(
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    config: RandomConfig,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    layer_idx: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Uniformly random prefix positions (seeded per layer) plus the recent window."""
     b, h_kv, length, _ = key_states.shape
     generator = torch.Generator(device="cpu").manual_seed(config.seed * 1_000_003 + layer_idx)
     scores = torch.rand((b, h_kv, max(length - config.recent_size, 0)), generator=generator, device="cpu")
-    return keep_top(scores.to(key_states.device), key_states, value_states, config.max_capacity_prompt,
-                    config.recent_size, attention_mask)
-
+    return keep_top(
+        scores.to(key_states.device),
+        key_states,
+        value_states,
+        config.max_capacity_prompt,
+        config.recent_size,
+        attention_mask,
+    )

@@ -42,7 +42,7 @@ def global_counts(scores: list[torch.Tensor], total: int, share: str, fit: str =
     chosen[order[:total]] = 1
     out, at = [], 0
     for s in scores:
-        per_head = chosen[at:at + s.numel()].view(s.shape).sum(-1)
+        per_head = chosen[at : at + s.numel()].view(s.shape).sum(-1)
         at += s.numel()
         if share == "layer":  # the layer's count, split evenly (the first heads take the remainder)
             heads, whole = s.shape[0], int(per_head.sum())
@@ -53,8 +53,9 @@ def global_counts(scores: list[torch.Tensor], total: int, share: str, fit: str =
     return out
 
 
-def keep_counts(scores: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, counts: torch.Tensor,
-                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def keep_counts(
+    scores: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, counts: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer of one prompt: each head's ``counts[h]`` best-scored prefix positions (``scores``
     ``[1, H, L - window]``) plus the last ``window`` positions of ``key_states`` / ``value_states``
     ``[1, H, L, D]``, padded to the widest head (:func:`~snapkv_rag.methods.adaptive.keep_ranked`)."""
@@ -70,7 +71,9 @@ def padded_fit(order: torch.Tensor, shapes: list[torch.Size], slots: int) -> int
     starts = torch.tensor([0] + sizes).cumsum(0)[:-1].to(order.device)
     heads = torch.tensor([shape[0] for shape in shapes], device=order.device)
     widths = torch.tensor([shape[1] for shape in shapes], device=order.device)
-    layer_of = torch.repeat_interleave(torch.arange(len(shapes), device=order.device), torch.tensor(sizes, device=order.device))
+    layer_of = torch.repeat_interleave(
+        torch.arange(len(shapes), device=order.device), torch.tensor(sizes, device=order.device)
+    )
     head_base = torch.cat([torch.zeros(1, dtype=torch.long, device=order.device), heads.cumsum(0)[:-1]])
     layers = layer_of[order]
     head_of = head_base[layers] + (order - starts[layers]) // widths[layers]  # a global head number
@@ -78,7 +81,8 @@ def padded_fit(order: torch.Tensor, shapes: list[torch.Size], slots: int) -> int
     def cost(k: int) -> int:
         counts = torch.bincount(head_of[:k], minlength=int(heads.sum()))
         widest = torch.zeros(len(shapes), dtype=torch.long, device=order.device).scatter_reduce(
-            0, torch.repeat_interleave(torch.arange(len(shapes), device=order.device), heads), counts, "amax")
+            0, torch.repeat_interleave(torch.arange(len(shapes), device=order.device), heads), counts, "amax"
+        )
         return int((widest * heads).sum())
 
     low, high = 0, slots  # cost(k) >= k, so no more than ``slots`` positions fit

@@ -29,11 +29,17 @@ class SnapKVConfig(Method):
     method = "snapkv"
 
     def __post_init__(self) -> None:
-        require(isinstance(self.window_size, int) and self.window_size > 0, "window_size",
-                f"must be a positive integer, got {self.window_size!r}")
+        require(
+            isinstance(self.window_size, int) and self.window_size > 0,
+            "window_size",
+            f"must be a positive integer, got {self.window_size!r}",
+        )
         check_budget(self, "window_size", self.window_size)
-        require(isinstance(self.kernel_size, int) and self.kernel_size > 0 and self.kernel_size % 2 == 1,
-                "kernel_size", f"must be a positive odd integer, got {self.kernel_size!r}")
+        require(
+            isinstance(self.kernel_size, int) and self.kernel_size > 0 and self.kernel_size % 2 == 1,
+            "kernel_size",
+            f"must be a positive odd integer, got {self.kernel_size!r}",
+        )
         require(self.pooling in POOLINGS, "pooling", f"must be one of {POOLINGS}, got {self.pooling!r}")
 
     @property
@@ -43,6 +49,13 @@ class SnapKVConfig(Method):
     def select(self, query, keys, values, attention_mask, layer_idx, num_layers, *, shared=False, **scoring):
         from . import selection  # the tensor work loads at the first selection, not with the settings
 
-        return selection.snapkv_select(query[..., -self.window_size:, :], keys, values, self, attention_mask,
-                                       capacity=self.budget_for_layer(layer_idx, num_layers), shared=shared,
-                                       **scoring)
+        return selection.snapkv_select(
+            query[..., -self.window_size :, :],
+            keys,
+            values,
+            self,
+            attention_mask,
+            capacity=self.budget_for_layer(layer_idx, num_layers),
+            shared=shared,
+            **scoring,
+        )

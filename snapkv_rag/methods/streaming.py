@@ -21,8 +21,11 @@ class StreamingLLMConfig(Method):
     query_agnostic = True
 
     def __post_init__(self) -> None:
-        require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0, "sink_tokens",
-                f"must be a non-negative integer, got {self.sink_tokens!r}")
+        require(
+            isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
+            "sink_tokens",
+            f"must be a non-negative integer, got {self.sink_tokens!r}",
+        )
         check_budget(self, "sink_tokens", self.sink_tokens)
 
     def select(self, query, keys, values, attention_mask, layer_idx, num_layers, *, shared=False, **scoring):

@@ -33,11 +33,21 @@ FULL, SLIDING, RECURRENT, LATENT, NONE = "full", "sliding", "recurrent", "latent
 ATTENTION_KINDS = (FULL, SLIDING, LATENT)
 
 # layer type names (config ``layer_types``) whose cache layers are read below
-_KNOWN_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv", "hybrid", "hybrid_sliding",
-                "mlp", "moe")
-_SUPPORTED = ("full attention, sliding window attention, multi-head latent attention, recurrent / conv state "
-              "layers (Mamba, linear attention, short convolutions), hybrid attention + Mamba layers and "
-              "MLP-only layers")
+_KNOWN_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "linear_attention",
+    "conv",
+    "hybrid",
+    "hybrid_sliding",
+    "mlp",
+    "moe",
+)
+_SUPPORTED = (
+    "full attention, sliding window attention, multi-head latent attention, recurrent / conv state "
+    "layers (Mamba, linear attention, short convolutions), hybrid attention + Mamba layers and "
+    "MLP-only layers"
+)
 
 
 ONE_PASS_FROM = Version("5.17")
@@ -47,7 +57,7 @@ ONE_PASS = Version(Version(transformers.__version__).base_version) >= ONE_PASS_F
 
 STATE_RESTARTS = {
     "jamba": "Jamba's Mamba layers start the SSM scan of a multi-token pass from zeros, not from the cached "
-             "state (transformers' modeling_jamba: only a one-token step continues it)",
+    "state (transformers' modeling_jamba: only a one-token step continues it)",
 }
 """Model types whose modeling code, on the installed transformers, does not continue a cached recurrent
 state through a multi-token pass, with the reason. Checked against a token-by-token continuation for
@@ -82,15 +92,21 @@ def layer_specs(config, model=None) -> list[LayerSpec]:
     types = list(getattr(text, "layer_types", None) or [])
     odd = sorted({t for t in types if t not in _KNOWN_TYPES})
     if odd:
-        raise UnsupportedModelError(f"model type {model_type!r} has {', '.join(odd)} layers; snapkv-rag supports "
-                                    f"{_SUPPORTED}")
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has {', '.join(odd)} layers; snapkv-rag supports {_SUPPORTED}"
+        )
     if "reuse" in (getattr(text, "kv_sharing_modes", None) or []) or getattr(text, "num_kv_shared_layers", 0):
-        raise UnsupportedModelError(f"model type {model_type!r} has layers that attend over another layer's K/V "
-                                    f"(shared KV); snapkv-rag supports {_SUPPORTED}")
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has layers that attend over another layer's K/V "
+            f"(shared KV); snapkv-rag supports {_SUPPORTED}"
+        )
     layers = list(DynamicCache(config=config).layers)
-    return [LayerSpec(NONE) if i < len(types) and types[i] in ("mlp", "moe")  # (older 5.x: a state layer, left empty)
-            else _spec(layers[i] if i < len(layers) else DynamicLayer(), text, model_type, i)
-            for i in range(text.num_hidden_layers)]
+    return [
+        LayerSpec(NONE)
+        if i < len(types) and types[i] in ("mlp", "moe")  # (older 5.x: a state layer, left empty)
+        else _spec(layers[i] if i < len(layers) else DynamicLayer(), text, model_type, i)
+        for i in range(text.num_hidden_layers)
+    ]
 
 
 def state_break(config, specs: list[LayerSpec]) -> str | None:
@@ -104,8 +120,10 @@ def state_break(config, specs: list[LayerSpec]) -> str | None:
     if model_type in STATE_RESTARTS:
         return STATE_RESTARTS[model_type]
     if not ONE_PASS:
-        return (f"transformers {transformers.__version__} is not known to continue a recurrent state through a "
-                f"multi-token pass (checked from {ONE_PASS_FROM})")
+        return (
+            f"transformers {transformers.__version__} is not known to continue a recurrent state through a "
+            f"multi-token pass (checked from {ONE_PASS_FROM})"
+        )
     return None
 
 
@@ -121,8 +139,9 @@ def _spec(layer, text, model_type: str, index: int) -> LayerSpec:
         return LayerSpec(LATENT if getattr(text, "kv_lora_rank", None) else FULL, state=stateful)
     if stateful and not isinstance(layer, DynamicLayer):
         return LayerSpec(RECURRENT, state=True)
-    raise UnsupportedModelError(f"model type {model_type!r}: layer {index} uses a {name} cache; snapkv-rag "
-                                f"supports {_SUPPORTED}")
+    raise UnsupportedModelError(
+        f"model type {model_type!r}: layer {index} uses a {name} cache; snapkv-rag supports {_SUPPORTED}"
+    )
 
 
 def _refuse_own_cache(model, model_type: str) -> None:
@@ -130,11 +149,18 @@ def _refuse_own_cache(model, model_type: str) -> None:
     keeps the linear-attention state outside the cache layers) refuses any other cache at its first
     forward; say so now instead."""
     module = sys.modules.get(type(model).__module__)
-    own = sorted(name for name, value in vars(module).items()
-                 if isinstance(value, type) and issubclass(value, Cache) and value.__module__ == module.__name__
-                 ) if module is not None else []
+    own = (
+        sorted(
+            name
+            for name, value in vars(module).items()
+            if isinstance(value, type) and issubclass(value, Cache) and value.__module__ == module.__name__
+        )
+        if module is not None
+        else []
+    )
     if own:
         raise UnsupportedModelError(
             f"model type {model_type!r} accepts only its own cache class ({', '.join(own)}), which keeps the model's "
             "recurrent state outside the per-layer cache; snapkv-rag's cache cannot stand in for it, so this model is "
-            "not supported")
+            "not supported"
+        )

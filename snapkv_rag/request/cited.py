@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .results import GenerationResult
 
@@ -43,8 +44,13 @@ def cite_schema(num_documents: int) -> dict:
         "type": "object",
         "properties": {
             "answer": {"type": "string"},
-            "citations": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": num_documents},
-                          "minItems": 1, "maxItems": min(num_documents, MAX_CITATIONS), "uniqueItems": True},
+            "citations": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 1, "maximum": num_documents},
+                "minItems": 1,
+                "maxItems": min(num_documents, MAX_CITATIONS),
+                "uniqueItems": True,
+            },
         },
         "required": ["answer", "citations"],
         "additionalProperties": False,
@@ -84,8 +90,9 @@ def finish(result: GenerationResult, constraint: Any, cite: str) -> GenerationRe
             partial = _PARTIAL_ANSWER.match(result.raw_text)
             result.text = _unescape(partial.group(1)).strip() if partial else ""
             numbers = []
-        result.citations = [n for i, n in enumerate(numbers)
-                            if 1 <= n <= len(result.documents) and n not in numbers[:i]]
+        result.citations = [
+            n for i, n in enumerate(numbers) if 1 <= n <= len(result.documents) and n not in numbers[:i]
+        ]
     return result
 
 

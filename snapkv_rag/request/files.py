@@ -31,8 +31,11 @@ def _record(record, source: Path, where: str, number: int) -> Document:
         return Document(text=record, id=f"{source.name}:{number}")
     if isinstance(record, dict) and isinstance(record.get("text"), str):
         title = record.get("title")
-        return Document(text=record["text"], title=None if title is None else str(title),
-                        id=str(record.get("id", f"{source.name}:{number}")))
+        return Document(
+            text=record["text"],
+            title=None if title is None else str(title),
+            id=str(record.get("id", f"{source.name}:{number}")),
+        )
     raise DocumentFileError(f"{source}, {where}: neither a string nor an object with a 'text' string")
 
 
@@ -50,16 +53,18 @@ def read_documents(path: Path) -> list[Document]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise DocumentFileError(f"{path}, line {line_number}: not valid JSON ({error.msg} at column "
-                                        f"{error.colno})") from error
+                raise DocumentFileError(
+                    f"{path}, line {line_number}: not valid JSON ({error.msg} at column {error.colno})"
+                ) from error
             docs.append(_record(record, path, f"line {line_number}", len(docs) + 1))
         return docs
     if path.suffix == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
-            raise DocumentFileError(f"{path}, line {error.lineno}: not valid JSON ({error.msg} at column "
-                                    f"{error.colno})") from error
+            raise DocumentFileError(
+                f"{path}, line {error.lineno}: not valid JSON ({error.msg} at column {error.colno})"
+            ) from error
         if not isinstance(data, list):
             raise DocumentFileError(f"{path}: expected a JSON list of documents")
         return [_record(record, path, f"record {i}", i) for i, record in enumerate(data, start=1)]

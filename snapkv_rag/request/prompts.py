@@ -7,8 +7,9 @@ the prompt) reads the question and votes for the passages that answer it.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 DEFAULT_INSTRUCTION = (
     "Answer the question using only the documents above. Write a short answer and cite the "
@@ -49,18 +50,24 @@ def to_document(item: DocumentLike, index: int = 0) -> Document:
             raise TypeError(f"documents[{index}]: a dict document needs a 'text' string; got keys {sorted(item)}")
         extra = {k: v for k, v in item.items() if k not in ("text", "title", "id")}
         title, doc_id = item.get("title"), item.get("id")
-        return Document(text=item["text"], title=None if title is None else str(title),
-                        id=None if doc_id is None else str(doc_id), metadata=extra)
-    raise TypeError(f"documents[{index}]: expected a str, a dict with 'text', or snapkv_rag.Document; "
-                    f"got {type(item).__name__}")
+        return Document(
+            text=item["text"],
+            title=None if title is None else str(title),
+            id=None if doc_id is None else str(doc_id),
+            metadata=extra,
+        )
+    raise TypeError(
+        f"documents[{index}]: expected a str, a dict with 'text', or snapkv_rag.Document; got {type(item).__name__}"
+    )
 
 
 def to_documents(items: Iterable[DocumentLike] | None) -> list[Document]:
     if items is None:
         return []
     if isinstance(items, (str, Mapping, Document)):
-        raise TypeError("documents: expected a list of documents, got a single "
-                        f"{type(items).__name__}; wrap it in a list")
+        raise TypeError(
+            f"documents: expected a list of documents, got a single {type(items).__name__}; wrap it in a list"
+        )
     return [to_document(item, i) for i, item in enumerate(items)]
 
 

@@ -101,10 +101,12 @@ class GenerationResult:
         (``to_dict()`` and the fields hold everything)."""
         text = self.text if len(self.text) <= 80 else self.text[:77] + "..."
         c = self.compression
-        return (f"GenerationResult(text={text!r}, citations={self.citations}, finish_reason={self.finish_reason!r}, "
-                f"{c.method}: kept {max(c.kept_tokens, default=0)}/{c.prompt_tokens} prompt tokens, "
-                f"{self.usage.completion_tokens} new, prefill {self.timings.prefill_s:.2f} s, "
-                f"decode {self.timings.decode_ms_per_token:.1f} ms/token, {len(self.documents)} documents)")
+        return (
+            f"GenerationResult(text={text!r}, citations={self.citations}, finish_reason={self.finish_reason!r}, "
+            f"{c.method}: kept {max(c.kept_tokens, default=0)}/{c.prompt_tokens} prompt tokens, "
+            f"{self.usage.completion_tokens} new, prefill {self.timings.prefill_s:.2f} s, "
+            f"decode {self.timings.decode_ms_per_token:.1f} ms/token, {len(self.documents)} documents)"
+        )
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -117,22 +119,34 @@ def compression_stats(compressed, selection_ms: float) -> CompressionStats:
     """What a request's compressed cache (:class:`snapkv_rag.kv.prompt_cache.Compressed`) keeps of its prompt:
     kept tokens and bytes read from its buffers."""
     full_bytes, kept_bytes = compressed.kv_bytes()
-    return CompressionStats(method="full" if compressed.method is None else compressed.method.method,
-                            prompt_tokens=compressed.prompt_tokens, kept_tokens=compressed.kept_tokens(),
-                            ratio=kept_bytes / full_bytes if full_bytes else 1.0,
-                            kv_bytes_full=full_bytes, kv_bytes_kept=kept_bytes, selection_ms=selection_ms)
+    return CompressionStats(
+        method="full" if compressed.method is None else compressed.method.method,
+        prompt_tokens=compressed.prompt_tokens,
+        kept_tokens=compressed.kept_tokens(),
+        ratio=kept_bytes / full_bytes if full_bytes else 1.0,
+        kv_bytes_full=full_bytes,
+        kv_bytes_kept=kept_bytes,
+        selection_ms=selection_ms,
+    )
 
 
-def finish_result(row_text, documents: list[Document], prompt_tokens: int, compression: CompressionStats,
-                  timings: Timings) -> GenerationResult:
+def finish_result(
+    row_text, documents: list[Document], prompt_tokens: int, compression: CompressionStats, timings: Timings
+) -> GenerationResult:
     """A :class:`GenerationResult` from a row's text (a :class:`snapkv_rag.request.text.RowText`) and its figures."""
     timings.decode_ms_per_token = row_text.decode_ms_per_token
     timings.decode_step_ms = list(row_text.decode_step_ms)
     return GenerationResult(
-        text=row_text.text, citations=parse_citations(row_text.text, len(documents)),
+        text=row_text.text,
+        citations=parse_citations(row_text.text, len(documents)),
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(row_text.token_ids)),
-        compression=compression, timings=timings, finish_reason=row_text.finish_reason, documents=documents,
-        raw_text=row_text.text, logprobs=row_text.logprobs)
+        compression=compression,
+        timings=timings,
+        finish_reason=row_text.finish_reason,
+        documents=documents,
+        raw_text=row_text.text,
+        logprobs=row_text.logprobs,
+    )
 
 
 @dataclass

@@ -25,7 +25,8 @@ import json
 import re
 import threading
 import weakref
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -45,8 +46,9 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError as error:
-        raise ImportError("structured output (response_format, tools) needs xgrammar: "
-                          "pip install xgrammar==0.2.9") from error
+        raise ImportError(
+            "structured output (response_format, tools) needs xgrammar: pip install xgrammar==0.2.9"
+        ) from error
     return xgrammar
 
 
@@ -59,17 +61,21 @@ def schema_of(response_format: Any) -> dict | None:
     if isinstance(response_format, type) and hasattr(response_format, "model_json_schema"):
         return response_format.model_json_schema()
     if not isinstance(response_format, dict):
-        raise SchemaError(f"response_format: expected a pydantic model class, a JSON-schema dict, "
-                          f"{{'type': 'json_object'}} or {{'type': 'json_schema', 'json_schema': {{'schema': ...}}}}; "
-                          f"got {type(response_format).__name__}")
+        raise SchemaError(
+            f"response_format: expected a pydantic model class, a JSON-schema dict, "
+            f"{{'type': 'json_object'}} or {{'type': 'json_schema', 'json_schema': {{'schema': ...}}}}; "
+            f"got {type(response_format).__name__}"
+        )
     if response_format.get("type") == "json_object":
         return None
     if response_format.get("type") == "json_schema":
         inner = response_format.get("json_schema")
         schema = inner.get("schema") if isinstance(inner, dict) else None
         if not isinstance(schema, dict):
-            raise SchemaError("response_format: {'type': 'json_schema'} needs 'json_schema': {'name': ..., "
-                              "'schema': {...}} with the schema as a dict")
+            raise SchemaError(
+                "response_format: {'type': 'json_schema'} needs 'json_schema': {'name': ..., "
+                "'schema': {...}} with the schema as a dict"
+            )
         return schema
     return response_format
 
@@ -77,8 +83,14 @@ def schema_of(response_format: Any) -> dict | None:
 class CompiledFormat:
     """A compiled grammar for one response format; :meth:`new_constraint` gives each request its matcher."""
 
-    def __init__(self, grammar: Any, schema: dict | None, vocab_size: int, stop_ids: Sequence[int],
-                 by_bytes: Mapping[bytes, list[int]]):
+    def __init__(
+        self,
+        grammar: Any,
+        schema: dict | None,
+        vocab_size: int,
+        stop_ids: Sequence[int],
+        by_bytes: Mapping[bytes, list[int]],
+    ):
         self.grammar, self.schema = grammar, schema
         self.vocab_size, self.stop_ids = vocab_size, sorted(stop_ids)
         self.by_bytes = by_bytes  # token ids by their text, to find the tokens along a closing path
@@ -102,8 +114,9 @@ class Constraint:
         if self.matcher.is_terminated():
             return
         if not self.matcher.accept_token(int(token_id)):
-            raise RuntimeError(f"token {token_id} was sampled outside the grammar: apply_masks must run before "
-                               "sampling for this row")
+            raise RuntimeError(
+                f"token {token_id} was sampled outside the grammar: apply_masks must run before sampling for this row"
+            )
         self.accepted += 1
 
     def closing_tokens(self) -> list[int] | None:
@@ -200,8 +213,9 @@ class _Compilers:
             entries = self.by_tokenizer.setdefault(tokenizer, {})
             key = (vocab_size, stop_ids)
             if key not in entries:
-                info = _xgrammar().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                               stop_token_ids=list(stop_ids))
+                info = _xgrammar().TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
+                )
                 by_bytes: dict[bytes, list[int]] = {}
                 for token_id, text in enumerate(info.decoded_vocab):
                     if text and token_id not in stop_ids:
@@ -229,8 +243,9 @@ def compile_format(tokenizer, response_format: Any, vocab_size: int, stop_ids: S
     compiler, formats, by_bytes = _COMPILERS.get(tokenizer, max(vocab_size, len(tokenizer)), stops)
     if key not in formats:
         try:
-            grammar = compiler.compile_json_schema(json.dumps(ANY_OBJECT if schema is None else schema),
-                                                   any_whitespace=False, strict_mode=True)
+            grammar = compiler.compile_json_schema(
+                json.dumps(ANY_OBJECT if schema is None else schema), any_whitespace=False, strict_mode=True
+            )
         except Exception as error:  # xgrammar raises RuntimeError / ValueError subclasses with its reason
             reason = _REASON_PREFIX.sub("", str(error).strip().splitlines()[-1] if str(error).strip() else repr(error))
             raise SchemaError(f"response_format: the schema cannot be compiled to a grammar: {reason}") from None

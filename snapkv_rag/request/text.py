@@ -5,8 +5,9 @@ stops the row when one of its stop strings appears (the stop string never reache
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ..config import PromptSpans
 from .prompts import QUESTION_MARK, Document, DocumentLike, document_blocks, rag_user_message, to_documents
@@ -60,8 +61,11 @@ def normalise_messages(messages: Sequence[Message]) -> list[dict]:
         raise ValueError("messages: expected a non-empty list of {'role', 'content'} dicts")
     out = []
     for i, message in enumerate(messages):
-        role, content = (message if isinstance(message, tuple) else (message.get("role"), message.get("content"))
-                         ) if isinstance(message, (tuple, Mapping)) else (None, None)
+        role, content = (
+            (message if isinstance(message, tuple) else (message.get("role"), message.get("content")))
+            if isinstance(message, (tuple, Mapping))
+            else (None, None)
+        )
         if role not in ROLES:
             raise ValueError(f"messages[{i}]: role must be one of {ROLES}, got {role!r}")
         calls = message.get("tool_calls") if isinstance(message, Mapping) and role == "assistant" else None
@@ -77,8 +81,13 @@ def normalise_messages(messages: Sequence[Message]) -> list[dict]:
     return out
 
 
-def encode_request(tokenizer, messages: Sequence[Message], documents: Sequence[DocumentLike] | None,
-                   instruction: str, tools: list[dict] | None = None) -> Request:
+def encode_request(
+    tokenizer,
+    messages: Sequence[Message],
+    documents: Sequence[DocumentLike] | None,
+    instruction: str,
+    tools: list[dict] | None = None,
+) -> Request:
     """The prompt of a conversation; with ``documents``, the last (user) message becomes the question
     of a RAG prompt (documents first, question last), through the model's chat template. ``tools``
     (checked, see :mod:`snapkv_rag.request.tools`) go through the template's tools section where it has
@@ -104,8 +113,9 @@ def encode_request(tokenizer, messages: Sequence[Message], documents: Sequence[D
     if not docs or not getattr(tokenizer, "is_fast", False):
         return Request(input_ids=tokenizer(text, add_special_tokens=False).input_ids, documents=docs, text=text)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return Request(input_ids=encoded.input_ids, documents=docs, text=text,
-                   spans=prompt_spans(text, encoded.offset_mapping, docs))
+    return Request(
+        input_ids=encoded.input_ids, documents=docs, text=text, spans=prompt_spans(text, encoded.offset_mapping, docs)
+    )
 
 
 def prompt_spans(text: str, offsets: Sequence[tuple[int, int]], documents: Sequence[Document]) -> PromptSpans | None:
@@ -156,12 +166,12 @@ class TextState:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        window = self._decode(self.ids[self._prefix:])
-        added = window[len(self._prefix_text):]
+        window = self._decode(self.ids[self._prefix :])
+        added = window[len(self._prefix_text) :]
         if not added.endswith("\ufffd") or len(self.ids) - self._prefix > self.HOLD:
             self._committed += added
             self._prefix, self._read = self._read, len(self.ids)
-            self._prefix_text = self._decode(self.ids[self._prefix:self._read])
+            self._prefix_text = self._decode(self.ids[self._prefix : self._read])
             added = ""
         self.text = self._committed + added.rstrip("\ufffd")
         start = max(self._searched - self._longest_stop + 1, 0)
@@ -186,5 +196,5 @@ class TextState:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _emit(self, upto: int) -> str:
-        piece, self.emitted = self.text[self.emitted:upto], upto
+        piece, self.emitted = self.text[self.emitted : upto], upto
         return piece

@@ -31,29 +31,42 @@ from dataclasses import dataclass
 from typing import Any
 
 CHOICES = ("auto", "required", "any", "none")
-TOOLS_PREAMBLE = ("You can call the tools below. To call one, reply with only a JSON object "
-                  '{"name": <tool name>, "arguments": {<arguments>}}. Tools:')
+TOOLS_PREAMBLE = (
+    "You can call the tools below. To call one, reply with only a JSON object "
+    '{"name": <tool name>, "arguments": {<arguments>}}. Tools:'
+)
 ANSWER_FROM_RESULTS = "Answer the question in words using this result: "
 
 
 def check_tools(tools: Any) -> list[dict]:
     """OpenAI-style function tools, validated; each ``parameters`` defaults to an empty object."""
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
-        raise TypeError(f"tools: expected a list of {{'type': 'function', 'function': {{...}}}} dicts, "
-                        f"got {type(tools).__name__}")
+        raise TypeError(
+            f"tools: expected a list of {{'type': 'function', 'function': {{...}}}} dicts, got {type(tools).__name__}"
+        )
     checked = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(function, Mapping):
-            raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name', 'description', "
-                             f"'parameters'}}}}, got {tool!r}")
+            raise ValueError(
+                f"tools[{i}]: expected {{'type': 'function', 'function': {{'name', 'description', "
+                f"'parameters'}}}}, got {tool!r}"
+            )
         name, parameters = function.get("name"), function.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(name, str) or not name:
             raise ValueError(f"tools[{i}].function.name: expected a non-empty str, got {name!r}")
         if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
             raise ValueError(f"tools[{i}].function.parameters: expected a JSON schema of an object, got {parameters!r}")
-        checked.append({"type": "function", "function": {"name": name, "description": function.get("description")
-                                                         or "", "parameters": dict(parameters)}})
+        checked.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": function.get("description") or "",
+                    "parameters": dict(parameters),
+                },
+            }
+        )
     return checked
 
 
@@ -68,15 +81,23 @@ def check_tool_choice(tool_choice: Any, tools: list[dict]) -> str:
         return "required" if tool_choice == "any" else tool_choice
     if tool_choice in names:
         return tool_choice
-    raise ValueError(f"tool_choice: expected one of {CHOICES}, a tool name ({', '.join(names) or 'no tools given'}) "
-                     f"or {{'type': 'function', 'function': {{'name': ...}}}}; got {tool_choice!r}")
+    raise ValueError(
+        f"tool_choice: expected one of {CHOICES}, a tool name ({', '.join(names) or 'no tools given'}) "
+        f"or {{'type': 'function', 'function': {{'name': ...}}}}; got {tool_choice!r}"
+    )
 
 
 def call_schema(tools: list[dict]) -> dict:
     """The JSON schema of one call to one of ``tools``: its name, and its arguments."""
-    options = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
-                                                 "arguments": t["function"]["parameters"]},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"enum": [t["function"]["name"]]}, "arguments": t["function"]["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
@@ -126,7 +147,11 @@ class ToolPlan:
             call = json.loads(text)
         except ValueError:
             return []
-        if not isinstance(call, dict) or call.get("name") not in self.call or not isinstance(call.get("arguments"), dict):
+        if (
+            not isinstance(call, dict)
+            or call.get("name") not in self.call
+            or not isinstance(call.get("arguments"), dict)
+        ):
             return []
         return [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": call["name"], "arguments": call["arguments"]}]
 
@@ -148,8 +173,10 @@ def normalise_tool_calls(calls: Any, where: str) -> list[dict]:
             except ValueError:
                 arguments = None
         if not isinstance(name, str) or not isinstance(arguments, dict):
-            raise ValueError(f"{where}.tool_calls[{i}]: expected {{'id', 'name', 'arguments'}} with arguments as a "
-                             f"dict or JSON object text, got {call!r}")
+            raise ValueError(
+                f"{where}.tool_calls[{i}]: expected {{'id', 'name', 'arguments'}} with arguments as a "
+                f"dict or JSON object text, got {call!r}"
+            )
         out.append({"id": str(call.get("id") or f"call_{i}"), "name": name, "arguments": arguments})
     return out
 
@@ -165,8 +192,10 @@ def for_template(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                     for c in m["tool_calls"]]
+            calls = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in m["tool_calls"]
+            ]
             out.append({"role": "assistant", "content": m["content"], "tool_calls": calls})
         else:
             out.append(dict(m))

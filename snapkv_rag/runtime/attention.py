@@ -60,7 +60,8 @@ def _decode_mask(valid: torch.Tensor, query: torch.Tensor, base: str) -> torch.T
     mask = valid.repeat_interleave(query.shape[1] // valid.shape[1], dim=1)
     if base == "eager":  # eager attention adds its mask to the scores
         return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~mask, torch.finfo(query.dtype).min)
+            ~mask, torch.finfo(query.dtype).min
+        )
     return mask
 
 
@@ -90,7 +91,8 @@ def grouped_sdpa(module, query, key, value, mask, scaling):
     b, heads, _, _ = query.shape
     grouped = query.reshape(b, key.shape[1], heads // key.shape[1], query.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(
-        grouped, key, value, attn_mask=mask, scale=scaling if scaling is not None else module.scaling)
+        grouped, key, value, attn_mask=mask, scale=scaling if scaling is not None else module.scaling
+    )
     # [B, H_kv, H/H_kv, D] -> [B, 1, H, D]; a copy only where the kernel's output is not contiguous
     # (CUDA float32 picks such a kernel)
     return out.reshape(b, 1, heads, value.shape[-1]), None
@@ -102,21 +104,33 @@ def grouped_tail_sdpa(module, query, key, value, mask, scaling):
     copy every KV head once per query head it serves (it keeps grouped heads for unmasked calls).
     Returns ``[B, Q, H, D]`` as transformers expects."""
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling if scaling is not None else module.scaling, enable_gqa=True)
+        query, key, value, attn_mask=mask, scale=scaling if scaling is not None else module.scaling, enable_gqa=True
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
 def _grouped_tail(base: str, layer, query, key, value, mask, kwargs: dict) -> bool:
     """Whether a prompt pass can take :func:`grouped_tail_sdpa`: SDPA on the CPU, over a cached
     prefix, grouped KV heads, the model's mask given, nothing but plain attention asked for."""
-    return (base == "sdpa" and query.device.type == "cpu" and layer.prefix is not None and mask is not None
-            and key.shape[1] != query.shape[1] and _grouped_heads(kwargs, query, key, value))
+    return (
+        base == "sdpa"
+        and query.device.type == "cpu"
+        and layer.prefix is not None
+        and mask is not None
+        and key.shape[1] != query.shape[1]
+        and _grouped_heads(kwargs, query, key, value)
+    )
 
 
 def _grouped_heads(kwargs: dict, query, key, value) -> bool:
     """Plain attention (no soft-cap, sinks or dropout) whose query heads share KV heads evenly."""
-    return (not kwargs.get("softcap") and kwargs.get("s_aux") is None and not kwargs.get("dropout")
-            and query.shape[1] % key.shape[1] == 0 and key.shape[-1] == value.shape[-1])
+    return (
+        not kwargs.get("softcap")
+        and kwargs.get("s_aux") is None
+        and not kwargs.get("dropout")
+        and query.shape[1] % key.shape[1] == 0
+        and key.shape[-1] == value.shape[-1]
+    )
 
 
 def _plain(kwargs: dict, query, key, value) -> bool:
@@ -180,15 +194,21 @@ def resolve_implementation(model, requested: str | None) -> str:
         raise ValueError(f"attn_implementation: must be one of {BASE_IMPLEMENTATIONS} or None, got {requested!r}")
     if requested == "flash_attention_2":
         if importlib.util.find_spec("flash_attn") is None:
-            raise ValueError("attn_implementation: 'flash_attention_2' needs the flash-attn package (CUDA only): "
-                             "pip install 'snapkv-rag[flash-attn]', or leave attn_implementation unset")
+            raise ValueError(
+                "attn_implementation: 'flash_attention_2' needs the flash-attn package (CUDA only): "
+                "pip install 'snapkv-rag[flash-attn]', or leave attn_implementation unset"
+            )
         if not getattr(model, "_supports_flash_attn", True):
-            raise ValueError(f"attn_implementation: {kind} does not support 'flash_attention_2'; use 'eager' "
-                             "or leave attn_implementation unset")
+            raise ValueError(
+                f"attn_implementation: {kind} does not support 'flash_attention_2'; use 'eager' "
+                "or leave attn_implementation unset"
+            )
         return requested
     if requested == "sdpa" and not getattr(model, "_supports_sdpa", True):
-        raise ValueError(f"attn_implementation: {kind} cannot run 'sdpa' (transformers does not support it for this "
-                         "model); use 'eager', or leave attn_implementation unset to fall back to it")
+        raise ValueError(
+            f"attn_implementation: {kind} cannot run 'sdpa' (transformers does not support it for this "
+            "model); use 'eager', or leave attn_implementation unset to fall back to it"
+        )
     if requested is not None:
         return requested
     own = current_base(model)
@@ -248,13 +268,13 @@ def _sliced(forward, chunk: int):
             return forward(hidden_states, *args, **kwargs)
         out = None
         for start in range(0, length, chunk):
-            part = forward(hidden_states[..., start:start + chunk, :], *args, **kwargs)
+            part = forward(hidden_states[..., start : start + chunk, :], *args, **kwargs)
             if not isinstance(part, torch.Tensor):  # (output, router logits): not sliceable here
                 state["whole"] = True
                 return forward(hidden_states, *args, **kwargs)
             if out is None:
                 out = part.new_empty((*hidden_states.shape[:-1], part.shape[-1]))
-            out[..., start:start + chunk, :] = part
+            out[..., start : start + chunk, :] = part
         return out
 
     return sliced

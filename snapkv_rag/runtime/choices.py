@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from ..request.results import GenerationResult, TokenLogprob, TopLogprob, Usage
-from .sampling import SamplingOptions, logprobs as log_probabilities
 from ..request.text import Request
+from .sampling import SamplingOptions
+from .sampling import logprobs as log_probabilities
 
 
 class Piece(str):
@@ -71,9 +72,11 @@ def combine(results: list[GenerationResult]) -> GenerationResult:
     """The result of ``n`` choices: choice 0's fields, ``choices`` all of them, and ``usage`` with
     the prompt once and every choice's completion tokens."""
     first = results[0]
-    usage = Usage(prompt_tokens=first.usage.prompt_tokens,
-                  completion_tokens=sum(r.usage.completion_tokens for r in results),
-                  cached_tokens=first.usage.cached_tokens)
+    usage = Usage(
+        prompt_tokens=first.usage.prompt_tokens,
+        completion_tokens=sum(r.usage.completion_tokens for r in results),
+        cached_tokens=first.usage.cached_tokens,
+    )
     return dataclasses.replace(first, usage=usage, choices=list(results))
 
 
@@ -113,8 +116,9 @@ class ChoiceLog:
         if self.k is None or found is None:
             return
         logprob, top = found
-        self.entries.append(TokenLogprob(*self._fields(token, logprob),
-                                         [TopLogprob(*self._fields(i, lp)) for i, lp in top]))
+        self.entries.append(
+            TokenLogprob(*self._fields(token, logprob), [TopLogprob(*self._fields(i, lp)) for i, lp in top])
+        )
 
     def _fields(self, token: int, logprob: float) -> tuple[str, int, float, list[int]]:
         text, raw = self.texts(token)
@@ -122,7 +126,7 @@ class ChoiceLog:
 
     def piece(self, text: str, final: bool = False) -> Piece | None:
         """The piece to send for ``text`` (``None``: nothing to send); it takes the entries not sent yet."""
-        pending = self.entries[self.sent:]
+        pending = self.entries[self.sent :]
         if not text and not (final and pending):
             return None
         self.sent = len(self.entries)
@@ -146,8 +150,11 @@ def on_device(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int | None]) 
     if not rows:
         return None
     index = torch.tensor(rows, device=logits.device)
-    return (rows, [ks[row] for row in rows],
-            *log_probabilities(logits.index_select(0, index), tokens.index_select(0, index), max(ks[r] for r in rows)))
+    return (
+        rows,
+        [ks[row] for row in rows],
+        *log_probabilities(logits.index_select(0, index), tokens.index_select(0, index), max(ks[r] for r in rows)),
+    )
 
 
 def to_host(found: tuple | None) -> dict[int, tuple[float, list[tuple[int, float]]]]:
@@ -157,5 +164,7 @@ def to_host(found: tuple | None) -> dict[int, tuple[float, list[tuple[int, float
         return {}
     rows, ks, chosen, ids, values = found
     chosen, ids, values = chosen.tolist(), ids.tolist(), values.tolist()
-    return {row: (chosen[i], [(t, v) for t, v in zip(ids[i][:ks[i]], values[i][:ks[i]]) if v != float("-inf")])
-            for i, row in enumerate(rows)}
+    return {
+        row: (chosen[i], [(t, v) for t, v in zip(ids[i][: ks[i]], values[i][: ks[i]]) if v != float("-inf")])
+        for i, row in enumerate(rows)
+    }

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from ..request import cited
+from ..kv.slot_cache import SlotCache
 from ..methods import selection as compression
+from ..request import cited
 from ..request.results import GenerationResult, Timings, finish_result
+from ..request.text import Request
 from .sampling import SamplingOptions
 from .scheduler import Outcome, Scheduler
-from ..kv.slot_cache import SlotCache
-from ..request.text import Request
 
 FULL = "\0full"  # the recording full cache's name (not a name a caller can give)
 
@@ -43,8 +44,10 @@ class Comparison:
         for name, r in self.results.items():
             text = r.text if len(r.text) <= 60 else r.text[:57] + "..."
             rate = f", hit rate {self.hit_rate[name]:.2f}" if name in self.hit_rate else ""
-            lines.append(f"  {name}: {text!r}, kept {max(r.compression.kept_tokens, default=0)}/"
-                         f"{r.compression.prompt_tokens}, {r.timings.decode_ms_per_token:.1f} ms/token{rate}")
+            lines.append(
+                f"  {name}: {text!r}, kept {max(r.compression.kept_tokens, default=0)}/"
+                f"{r.compression.prompt_tokens}, {r.timings.decode_ms_per_token:.1f} ms/token{rate}"
+            )
         return "\n".join(lines)
 
 
@@ -102,27 +105,46 @@ class _Recorder:
         self.slots.record_s += time.perf_counter() - begin
 
 
-def compare(scheduler: Scheduler, request: Request, methods: Mapping[str, Any], options: SamplingOptions,
-            stop: Sequence[str] = (), hit_rate: bool = True, together: bool = False) -> Comparison:
+def compare(
+    scheduler: Scheduler,
+    request: Request,
+    methods: Mapping[str, Any],
+    options: SamplingOptions,
+    stop: Sequence[str] = (),
+    hit_rate: bool = True,
+    together: bool = False,
+) -> Comparison:
     """``methods`` maps a name to a config (``None`` for the full cache); ``together``: the methods
     decode as rows of one batch (else one after another, each with its own decode timings)."""
     if options.n != 1:
         raise ValueError(f"n: compare gives one answer per method, got n={options.n}; call generate with n per method")
     if request.stored is not None:
-        raise ValueError("documents: compare runs every method over the documents themselves; pass the documents, "
-                         "not a document handle (its cache was compressed once, with one method)")
+        raise ValueError(
+            "documents: compare runs every method over the documents themselves; pass the documents, "
+            "not a document handle (its cache was compressed once, with one method)"
+        )
     full_names = [name for name, config in methods.items() if config is None]
     record = hit_rate and len(full_names) < len(methods)
     caches = {FULL: None, **methods} if record and not full_names else dict(methods)
     full_name = FULL if FULL in caches else (full_names[0] if full_names else None)
-    order = ([full_name] if full_name is not None else []) + [n for n in caches if n != full_name and n not in full_names]
+    order = ([full_name] if full_name is not None else []) + [
+        n for n in caches if n != full_name and n not in full_names
+    ]
     prompt_tokens = len(request.input_ids)
     recorder = _Recorder(prompt_tokens) if record else None
     # each method starts the grammar afresh
-    requests = {name: dataclasses.replace(request, constraint=request.constraint and request.constraint.fresh())
-                for name in order}
-    tickets = scheduler.submit_group(requests, {name: caches[name] for name in order}, options, list(stop),
-                                     {full_name: recorder} if record else None, together)
+    requests = {
+        name: dataclasses.replace(request, constraint=request.constraint and request.constraint.fresh())
+        for name in order
+    }
+    tickets = scheduler.submit_group(
+        requests,
+        {name: caches[name] for name in order},
+        options,
+        list(stop),
+        {full_name: recorder} if record else None,
+        together,
+    )
     results: dict[str, GenerationResult] = {}
     kept: dict[str, dict[int, torch.Tensor]] = {}
     prefill_s = 0.0
@@ -131,8 +153,11 @@ def compare(scheduler: Scheduler, request: Request, methods: Mapping[str, Any], 
             outcome = next(item for item in ticket if isinstance(item, Outcome))
             prefill_s, kept[name] = outcome.prefill_s, outcome.kept_positions
             timings = Timings(prefill_s=outcome.prefill_s, decode_ms_per_token=0.0, batch_size=outcome.batch_size)
-            results[name] = cited.finish(finish_result(outcome.row, request.documents, prompt_tokens, outcome.compression,
-                                                       timings), requests[name].constraint, request.cite)
+            results[name] = cited.finish(
+                finish_result(outcome.row, request.documents, prompt_tokens, outcome.compression, timings),
+                requests[name].constraint,
+                request.cite,
+            )
             results[name].usage.cached_tokens = outcome.cached_tokens
     finally:
         for ticket in tickets.values():
@@ -141,6 +166,9 @@ def compare(scheduler: Scheduler, request: Request, methods: Mapping[str, Any], 
         results[name] = results[full_name]
     rates = {}
     if record:
-        rates = {name: attention_hit_rate(recorder.totals, kept[name])
-                 for name, config in methods.items() if config is not None}
+        rates = {
+            name: attention_hit_rate(recorder.totals, kept[name])
+            for name, config in methods.items()
+            if config is not None
+        }
     return Comparison(results={name: results[name] for name in methods}, hit_rate=rates, prefill_s=prefill_s)

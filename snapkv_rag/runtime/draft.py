@@ -30,18 +30,19 @@ import collections
 import dataclasses
 import time
 import weakref
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from ..kv import tails
+from ..kv.prefix_cache import Capture, Prefix, PrefixLayer
 from ..kv.prompt_cache import Compressed, LayerKV, PromptCache, Scoring, compress_layer
 from ..methods import AdaSnapKVConfig, LookaheadSnapKVConfig
-from ..kv.prefix_cache import Capture, Prefix, PrefixLayer
 
 WHOLE = "\0whole"
 """The internal name of the full cache a call without any other method still needs for its prefill."""
-PAST_DRAFTS: "weakref.WeakKeyDictionary[Any, collections.deque]" = weakref.WeakKeyDictionary()
+PAST_DRAFTS: weakref.WeakKeyDictionary[Any, collections.deque] = weakref.WeakKeyDictionary()
 """Per runner its last 64 drafts, where :func:`guess` looks after the prompt (only speed depends on them)."""
 
 
@@ -58,14 +59,19 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
     if any(m is not None and m.rereads for m in others.values()):  # its pass runs the re-read on: a second one
         first = runner.prefill(prompts, others)
         base = runner.prefill(prompts, {WHOLE: None}, whole=whole)
-        first = dataclasses.replace(first, compressed={**first.compressed, WHOLE: base.compressed[WHOLE]},
-                                    prefill_s=first.prefill_s + base.prefill_s)
+        first = dataclasses.replace(
+            first,
+            compressed={**first.compressed, WHOLE: base.compressed[WHOLE]},
+            prefill_s=first.prefill_s + base.prefill_s,
+        )
     else:
         first = runner.prefill(prompts, others, whole=whole)
     begin = time.perf_counter()
     kept = first.compressed[WHOLE][0] if WHOLE in first.compressed else next(iter(first.compressed.values()))[0]
     prefix = whole.prefix(prompt, len(runner.specs), tails.held_states(kept.layers))
-    _, out = draft_and_vote(runner, prefix, int(first.logits[0].argmax()), max(m.lookahead for m in ahead.values()), ahead)
+    _, out = draft_and_vote(
+        runner, prefix, int(first.logits[0].argmax()), max(m.lookahead for m in ahead.values()), ahead
+    )
     spent = time.perf_counter() - begin
     compressed = {name: rows for name, rows in first.compressed.items() if name != WHOLE}
     for name, rows in out.items():
@@ -74,8 +80,9 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
     return dataclasses.replace(first, compressed=compressed, prefill_s=first.prefill_s + spent)
 
 
-def draft_and_vote(runner, prefix: Prefix, first: int, count: int, methods: Mapping[str, LookaheadSnapKVConfig],
-                   speculate: bool = True) -> tuple[list[int], dict[str, list[Compressed]]]:
+def draft_and_vote(
+    runner, prefix: Prefix, first: int, count: int, methods: Mapping[str, LookaheadSnapKVConfig], speculate: bool = True
+) -> tuple[list[int], dict[str, list[Compressed]]]:
     """The model's greedy answer over the whole prompt ``prefix``, from its ``first`` token: at most
     ``count`` tokens, ending early at an end-of-sequence token; then every attention layer selected
     under every method by :func:`select_layer`, from the prompt's window and the draft's queries.
@@ -109,19 +116,23 @@ def draft_and_vote(runner, prefix: Prefix, first: int, count: int, methods: Mapp
             ids = tokens[fed:]
             if speculate and ids[0] not in runner.eos_ids:
                 ids += guess(prefix.ids, tokens, count - fed - 1, list(reversed(past)))
-            logits = runner.forward(torch.tensor([ids], device=runner.device), None,
-                                     torch.arange(length + fed, length + fed + len(ids), device=runner.device)[None],
-                                     cache, at=list(range(len(ids))))
+            logits = runner.forward(
+                torch.tensor([ids], device=runner.device),
+                None,
+                torch.arange(length + fed, length + fed + len(ids), device=runner.device)[None],
+                cache,
+                at=list(range(len(ids))),
+            )
             predicted = logits[0].argmax(-1).tolist()
             kept = 1  # the first token was predicted by the pass before (or by the prompt)
             while kept < len(ids) and ids[kept] == predicted[kept - 1] and ids[kept - 1] not in runner.eos_ids:
                 kept += 1
             fed += kept
-            tokens = tokens[:fed - kept] + ids[:kept] + [predicted[kept - 1]]
+            tokens = tokens[: fed - kept] + ids[:kept] + [predicted[kept - 1]]
             for i, (query, keys, values, vote_keys, scoring) in staged.items():
                 layer = cache.layers[i]
                 queries[i].append(query[..., :kept, :])
-                keys, values, vote_keys = (t[..., :length + fed, :] for t in (keys, values, vote_keys))
+                keys, values, vote_keys = (t[..., : length + fed, :] for t in (keys, values, vote_keys))
                 layer.prefix, layer.prefix_length = PrefixLayer(keys, values, prefix.layers[i].queries), length + fed
                 held[i] = (keys, values, vote_keys, scoring)
         past.append(tokens[:fed])
@@ -129,8 +140,19 @@ def draft_and_vote(runner, prefix: Prefix, first: int, count: int, methods: Mapp
     for i, (keys, values, vote_keys, scoring) in held.items():  # the window, then the draft
         query = torch.cat([prefix.layers[i].queries, *queries[i]], dim=-2)
         for name, method in methods.items():
-            out[name][0].layers[i] = select_layer(method, specs[i], i, len(specs), query, keys, values, vote_keys,
-                                                  scoring, length, min(fed, method.lookahead))
+            out[name][0].layers[i] = select_layer(
+                method,
+                specs[i],
+                i,
+                len(specs),
+                query,
+                keys,
+                values,
+                vote_keys,
+                scoring,
+                length,
+                min(fed, method.lookahead),
+            )
         cache.layers[i].done = True
     for (kept_cache,) in out.values():  # the states after the prompt, not after the draft
         tails.place_states(kept_cache.layers, prefix.states, copies=True)
@@ -149,19 +171,29 @@ def guess(prompt: Sequence[int], draft: list[int], most: int, past: Sequence[lis
     text = [*prompt, *draft]
     tail = text[-3:]
     for start in range(len(text) - len(tail) - 1, -1, -1):
-        if text[start] == tail[0] and text[start:start + len(tail)] == tail:
-            return text[start + len(tail):start + len(tail) + most]
+        if text[start] == tail[0] and text[start : start + len(tail)] == tail:
+            return text[start + len(tail) : start + len(tail) + most]
     for n in range(min(3, len(draft)), 0, -1):
         for earlier in past:
             for start in range(len(earlier) - n - 1, -1, -1):
-                if earlier[start:start + n] == draft[-n:]:
-                    return earlier[start + n:start + n + most]
+                if earlier[start : start + n] == draft[-n:]:
+                    return earlier[start + n : start + n + most]
     return []
 
 
-def select_layer(method: LookaheadSnapKVConfig, spec, layer_idx: int, num_layers: int, query: torch.Tensor,
-                 keys: torch.Tensor, values: torch.Tensor, vote_keys: torch.Tensor, scoring: Scoring, length: int,
-                 drafted: int) -> LayerKV:
+def select_layer(
+    method: LookaheadSnapKVConfig,
+    spec,
+    layer_idx: int,
+    num_layers: int,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    vote_keys: torch.Tensor,
+    scoring: Scoring,
+    length: int,
+    drafted: int,
+) -> LayerKV:
     """One attention layer of a ``length``-token prompt with a draft after it (``keys``/``values``
     over both; ``query`` the prompt's last queries, then the draft's): head-adaptive SnapKV over the
     prompt and the draft's first ``drafted`` tokens, its window and its budget widened by them, their
@@ -170,18 +202,42 @@ def select_layer(method: LookaheadSnapKVConfig, spec, layer_idx: int, num_layers
     extra = total - length  # drafted positions in the pass
     if spec.window is not None:  # a sliding layer: its share ends with the prompt
         q = query[..., : query.shape[-2] - extra, :]
-        return compress_layer(_ada(method, layer_idx, num_layers, 0), spec, layer_idx, num_layers, q, keys[..., :length, :],
-                              values[..., :length, :], vote_keys[..., :length, :], scoring, [length])[0]
+        return compress_layer(
+            _ada(method, layer_idx, num_layers, 0),
+            spec,
+            layer_idx,
+            num_layers,
+            q,
+            keys[..., :length, :],
+            values[..., :length, :],
+            vote_keys[..., :length, :],
+            scoring,
+            [length],
+        )[0]
     cut = total - (extra - drafted)  # the votes come from the first ``drafted`` tokens
     q = query[..., : query.shape[-2] - (extra - drafted), :]
-    kv = compress_layer(_ada(method, layer_idx, num_layers, drafted), spec, layer_idx, num_layers, q,
-                        keys[..., :cut, :], values[..., :cut, :], vote_keys[..., :cut, :], scoring, [cut])[0]
+    kv = compress_layer(
+        _ada(method, layer_idx, num_layers, drafted),
+        spec,
+        layer_idx,
+        num_layers,
+        q,
+        keys[..., :cut, :],
+        values[..., :cut, :],
+        vote_keys[..., :cut, :],
+        scoring,
+        [cut],
+    )[0]
     keep = kv.slots - drafted  # the window is always kept: the draft's positions are each head's last
     return LayerKV(kv.keys[..., :keep, :], kv.values[..., :keep, :], kv.positions[..., :keep])
 
 
 def _ada(method: LookaheadSnapKVConfig, layer_idx: int, num_layers: int, drafted: int) -> AdaSnapKVConfig:
     """The head-adaptive SnapKV that selects a layer: window and budget widened by ``drafted``."""
-    return AdaSnapKVConfig(max_capacity_prompt=method.budget_for_layer(layer_idx, num_layers) + drafted,
-                           window_size=method.window_size + drafted, kernel_size=method.kernel_size,
-                           pooling=method.pooling, floor=method.floor)
+    return AdaSnapKVConfig(
+        max_capacity_prompt=method.budget_for_layer(layer_idx, num_layers) + drafted,
+        window_size=method.window_size + drafted,
+        kernel_size=method.kernel_size,
+        pooling=method.pooling,
+        floor=method.floor,
+    )

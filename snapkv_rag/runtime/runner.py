@@ -30,17 +30,19 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
-from . import attention, draft as lookahead
-from ..models import layer_kinds
 from ..kv import prefix_cache, tails
-from ..kv.prompt_cache import Compressed, PromptCache, compressing, layer_specs
 from ..kv.prefix_cache import PrefixCache
+from ..kv.prompt_cache import Compressed, PromptCache, compressing
 from ..kv.slot_cache import SlotCache
+from ..models import layer_kinds
+from . import attention
+from . import draft as lookahead
 
 log = logging.getLogger("snapkv_rag")
 
@@ -62,8 +64,8 @@ class Batch:
         ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), longest), dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            ids[row, longest - len(prompt):] = torch.tensor(prompt)
-            mask[row, longest - len(prompt):] = 1
+            ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+            mask[row, longest - len(prompt) :] = 1
         return cls(ids.to(device), mask.to(device), lengths)
 
     @property
@@ -87,9 +89,16 @@ class Runner:
     attention implementation (attached at construction, restored by :meth:`close`), MLP slicing for
     long prompts, compiled decode steps."""
 
-    def __init__(self, model, eos_ids: frozenset[int], pad_id: int, base: str = "sdpa",
-                 prefill_chunk: int | None = 4096, compile: bool | str = False,
-                 prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self,
+        model,
+        eos_ids: frozenset[int],
+        pad_id: int,
+        base: str = "sdpa",
+        prefill_chunk: int | None = 4096,
+        compile: bool | str = False,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.model, self.eos_ids, self.pad_id, self.base = model, eos_ids, pad_id, base
         self.prefix_cache = prefix_cache
         self.prefill_chunk, self.compile = prefill_chunk, compile
@@ -97,7 +106,9 @@ class Runner:
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
-        self.specs = layer_specs(model.config, model)  # (refuses an unsupported model here, before any work)
+        self.specs = layer_kinds.layer_specs(
+            model.config, model
+        )  # (refuses an unsupported model here, before any work)
         self.device = next(model.parameters()).device
         self._steps: dict[tuple, Callable[[], torch.Tensor]] = {}
         self._host: torch.Tensor | None = None
@@ -122,8 +133,13 @@ class Runner:
         self._steps.clear()
 
     # ------------------------------------------------------------ prompt
-    def prefill(self, prompts: list[list[int]], methods: Mapping[str, Any], boundary: int | None = None,
-                whole: prefix_cache.Capture | None = None) -> Prefilled:
+    def prefill(
+        self,
+        prompts: list[list[int]],
+        methods: Mapping[str, Any],
+        boundary: int | None = None,
+        whole: prefix_cache.Capture | None = None,
+    ) -> Prefilled:
         """Run ``prompts`` once (left padded) and compress them under every method of ``methods``
         (name -> config, ``None`` for the full cache). Only the kept caches differ: the prefill
         itself sees the whole prompt. The one entry; what runs depends on the methods and the prompt:
@@ -145,8 +161,13 @@ class Runner:
             return self._prefill_cached(prompts[0], methods, prefix, capture)
         return self._prefill_plain(prompts, methods, capture=whole)
 
-    def _prefill_plain(self, prompts: list[list[int]], methods: Mapping[str, Any], prefix=None,
-                       capture: prefix_cache.Capture | None = None) -> Prefilled:
+    def _prefill_plain(
+        self,
+        prompts: list[list[int]],
+        methods: Mapping[str, Any],
+        prefix=None,
+        capture: prefix_cache.Capture | None = None,
+    ) -> Prefilled:
         """The prompts in one pass, or one prompt's rest over a cached ``prefix`` (its K/V, last
         queries and recurrent states) at the positions it has in the whole prompt; ``capture`` is
         handed every layer's K/V and last queries as they run."""
@@ -192,21 +213,31 @@ class Runner:
         if any(spec.state for spec in self.specs):
             states = tails.states_only(PromptCache(self.model.config, self.specs))
             with self.lock, torch.inference_mode(), self.sliced_mlps():
-                self.forward(torch.tensor([prompt], device=self.device), None,
-                             torch.arange(len(prompt), device=self.device)[None], states)
+                self.forward(
+                    torch.tensor([prompt], device=self.device),
+                    None,
+                    torch.arange(len(prompt), device=self.device)[None],
+                    states,
+                )
         ids = torch.tensor([prompt + reread], device=self.device)
         cache = PromptCache(self.model.config, self.specs)
-        with self.lock, torch.inference_mode(), self.sliced_mlps(), \
-                compressing(cache, methods, [len(prompt)], reread=len(reread), states=states) as compressed:
-            logits = self.forward(ids, None, torch.arange(ids.shape[-1], device=self.device)[None], cache,
-                                  at=len(prompt) - 1)
+        with (
+            self.lock,
+            torch.inference_mode(),
+            self.sliced_mlps(),
+            compressing(cache, methods, [len(prompt)], reread=len(reread), states=states) as compressed,
+        ):
+            logits = self.forward(
+                ids, None, torch.arange(ids.shape[-1], device=self.device)[None], cache, at=len(prompt) - 1
+            )
         return self._prefilled(compressed, logits, start)
 
     def _prefilled(self, compressed: dict, logits: torch.Tensor, start: float, cached_tokens: int = 0) -> Prefilled:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # prefill time is wall time of the work, not its launch
-        return Prefilled(compressed=compressed, logits=logits, prefill_s=time.perf_counter() - start,
-                         cached_tokens=cached_tokens)
+        return Prefilled(
+            compressed=compressed, logits=logits, prefill_s=time.perf_counter() - start, cached_tokens=cached_tokens
+        )
 
     def _prefix_pass(self, prompt: list[int], capture) -> prefix_cache.Prefix | None:
         """A model with recurrent layers storing a prompt's prefix: their states at its end exist only
@@ -214,8 +245,12 @@ class Runner:
         stored) and the rest runs on from it as on a hit. ``None`` if it was too big to keep."""
         cache = tails.capture_only(PromptCache(self.model.config, self.specs), capture)
         with self.lock, torch.inference_mode(), self.sliced_mlps():
-            self.forward(torch.tensor([prompt[: capture.length]], device=self.device), None,
-                          torch.arange(capture.length, device=self.device)[None], cache)
+            self.forward(
+                torch.tensor([prompt[: capture.length]], device=self.device),
+                None,
+                torch.arange(capture.length, device=self.device)[None],
+                cache,
+            )
         if capture.too_big:
             return None
         prefix = capture.prefix(prompt, len(self.specs), tails.states_of(cache, self.specs))
@@ -241,15 +276,19 @@ class Runner:
                 layers, logits = tails.stepwise_tail(self.forward, cache, prefix, ids, self.device)
             else:
                 cache.compress = tails.tail_hook(cache, prefix.layers, stored.length, len(ids))
-                tail = torch.tensor([ids[stored.length:]], device=self.device)
+                tail = torch.tensor([ids[stored.length :]], device=self.device)
                 positions = torch.arange(stored.length, len(ids), device=self.device)[None]
                 logits, layers = self.forward(tail, None, positions, cache), cache.compress.layers
             layers = tails.states_after(cache, layers)
         compressed = Compressed(stored.config, self.specs, layers, len(ids))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return Prefilled(compressed={"": [compressed]}, logits=logits, prefill_s=time.perf_counter() - start,
-                         cached_tokens=stored.length)
+        return Prefilled(
+            compressed={"": [compressed]},
+            logits=logits,
+            prefill_s=time.perf_counter() - start,
+            cached_tokens=stored.length,
+        )
 
     def sliced_mlps(self):
         """While open, the MLPs run over a long prompt in slices of ``prefill_chunk`` tokens."""
@@ -283,25 +322,30 @@ class Runner:
         extra = list(self.repeat_ids) + list(prompts[0])
         context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         if context and len(prompts[0]) + len(extra) > context:
-            raise ValueError(f"kvzip: the prompt ({len(prompts[0])} tokens) and its re-read need "
-                             f"{len(prompts[0]) + len(extra)} positions, more than {name}'s {context}; use keynorm "
-                             "or a shorter prompt")
+            raise ValueError(
+                f"kvzip: the prompt ({len(prompts[0])} tokens) and its re-read need "
+                f"{len(prompts[0]) + len(extra)} positions, more than {name}'s {context}; use keynorm "
+                "or a shorter prompt"
+            )
         return extra
 
     # ------------------------------------------------------------ decode
     def new_slots(self, max_rows: int) -> SlotCache:
         return SlotCache(self.model.config, self.specs, max_rows, self.device, keep=bool(self.compile))
 
-    def decode_step(self, slots: SlotCache, b: int, pick: Callable[[torch.Tensor], torch.Tensor] | None = None
-                    ) -> torch.Tensor:
+    def decode_step(
+        self, slots: SlotCache, b: int, pick: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """One token for rows ``[0, b)`` of ``slots``; returns the next tokens ``[b]`` on the device
         (also fed by the next step). ``pick`` (logits -> tokens) replaces the greedy argmax, for rows
         that sample or follow a grammar; the step is then compiled without it. No host sync."""
         with self.lock, torch.inference_mode():
             if self.compile and slots.recurrent and not self._eager_logged:
                 self._eager_logged = True
-                log.info("snapkv_rag: compile is set, but this model has recurrent / conv state layers: its decode "
-                         "steps run eagerly")
+                log.info(
+                    "snapkv_rag: compile is set, but this model has recurrent / conv state layers: its decode "
+                    "steps run eagerly"
+                )
             if not self.compile or slots.recorder is not None or slots.recurrent:  # eager-only cases
                 if pick is None:
                     return self._decode(slots, b, greedy=True)
@@ -357,22 +401,32 @@ class Runner:
                 step = _capture(lambda: self._decode(slots, b, greedy), slots, self._pool)
                 log.info("snapkv_rag: %s captured in a CUDA graph in %.1f s", what, time.perf_counter() - begin)
             else:
-                compiled = torch.compile(self._decode, mode=None if self.compile is True else self.compile,
-                                         dynamic=False)
+                compiled = torch.compile(
+                    self._decode, mode=None if self.compile is True else self.compile, dynamic=False
+                )
                 step = _logged_first(lambda: compiled(slots, b, greedy), what)
             self._steps[key] = step
         return step
 
-    def forward(self, input_ids, attention_mask, position_ids, cache, at: int | list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids, attention_mask, position_ids, cache, at: int | list[int] | None = None
+    ) -> torch.Tensor:
         """One pass of the model over ``cache`` (a prompt cache, the slot cache or a tail's): the
         next-token logits ``[B, V]`` after the last position (or after position ``at``; after each of
         a list of positions: ``[B, len(at), V]``). What prompt passes outside the runner use (the
         lookahead draft, stored-document tails), under ``lock`` and :meth:`sliced_mlps`."""
-        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                  self.cache_kwarg: cache, "use_cache": True, attention.CACHE_KWARG: cache}
+        kwargs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            self.cache_kwarg: cache,
+            "use_cache": True,
+            attention.CACHE_KWARG: cache,
+        }
         if self.keep_last:
-            kwargs["logits_to_keep"] = 1 if at is None else torch.tensor(at if isinstance(at, list) else [at],
-                                                                         device=input_ids.device)
+            kwargs["logits_to_keep"] = (
+                1 if at is None else torch.tensor(at if isinstance(at, list) else [at], device=input_ids.device)
+            )
         logits = self.model(**kwargs).logits
         if isinstance(at, list):
             return logits if self.keep_last else logits[:, at, :]

@@ -47,7 +47,11 @@ class SamplingOptions:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens <= 0
+        ):
             raise ValueError(f"max_new_tokens: must be a positive integer, got {self.max_new_tokens!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"temperature: must be a number >= 0, got {self.temperature!r}")
@@ -59,10 +63,15 @@ class SamplingOptions:
             raise TypeError(f"ignore_eos: expected True or False, got {self.ignore_eos!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be an integer from 1 to {MAX_N}, got {self.n!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs: must be None or an integer from 0 to {MAX_LOGPROBS} (the alternatives "
-                             f"reported per token), got {self.logprobs!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs: must be None or an integer from 0 to {MAX_LOGPROBS} (the alternatives "
+                f"reported per token), got {self.logprobs!r}"
+            )
 
 
 class SamplingSlots:
@@ -124,8 +133,9 @@ def sample(logits: torch.Tensor, slots: SamplingSlots, rows: int, kind: str | No
     ``fullgraph=True``. ``kind`` (see :meth:`SamplingSlots.kind`, the default) chooses the code
     path; give it explicitly inside a compiled function, so that the graph is keyed by it alone."""
     if logits.dim() != 2 or logits.shape[0] != rows or not 0 < rows <= slots.max_rows:
-        raise ValueError(f"logits: expected [rows, vocab] with rows={rows} in [1, {slots.max_rows}], "
-                         f"got {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits: expected [rows, vocab] with rows={rows} in [1, {slots.max_rows}], got {tuple(logits.shape)}"
+        )
     kind = slots.kind(rows) if kind is None else kind
     if kind not in KINDS:
         raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")

@@ -28,16 +28,16 @@ from typing import Any
 
 import torch
 
-from . import choices
 from ..kv import prefix_cache
-from ..request import structured
 from ..kv.prompt_cache import Compressed
-from ..request.results import CompressionStats, SchedulerStats, compression_stats  # noqa: F401 (SchedulerStats: re-exported)
-from .runner import Prefilled, Runner, StepClock
-from .sampling import GREEDY, SamplingOptions, SamplingSlots, sample
 from ..kv.row_states import state_bytes
 from ..kv.slot_cache import SlotCache, request_states
+from ..request import structured
+from ..request.results import CompressionStats, SchedulerStats, compression_stats  # noqa: F401 (SchedulerStats: re-exported)
 from ..request.text import Request, RowText, TextState
+from . import choices
+from .runner import Prefilled, Runner, StepClock
+from .sampling import GREEDY, SamplingOptions, SamplingSlots, sample
 from .tickets import _DONE, _ERROR, _PIECE, Ticket  # noqa: F401 (Ticket: re-exported)
 
 
@@ -105,8 +105,9 @@ class Scheduler:
     def __init__(self, runner: Runner, tokenizer, max_batch: int = 16, max_kv_bytes: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: must be a positive integer, got {max_batch!r}")
-        if max_kv_bytes is not None and (isinstance(max_kv_bytes, bool) or not isinstance(max_kv_bytes, int)
-                                         or max_kv_bytes <= 0):
+        if max_kv_bytes is not None and (
+            isinstance(max_kv_bytes, bool) or not isinstance(max_kv_bytes, int) or max_kv_bytes <= 0
+        ):
             raise ValueError(f"max_kv_bytes: must be a positive number of bytes or None, got {max_kv_bytes!r}")
         self.runner, self.tokenizer = runner, tokenizer
         self.max_batch, self.max_kv_bytes = max_batch, max_kv_bytes
@@ -120,26 +121,55 @@ class Scheduler:
         self._first = SamplingSlots(1, runner.device)  # picks a joining request's first token
         self._bytes_per_slot: float | None = None
         self._state_bytes = 0  # a request's conv / SSM states (models with recurrent layers)
-        self._totals = {"finished": 0, "generated_tokens": 0, "prompt_tokens": 0, "kept_prompt_tokens": 0,
-                        "prefills": 0}
+        self._totals = {
+            "finished": 0,
+            "generated_tokens": 0,
+            "prompt_tokens": 0,
+            "kept_prompt_tokens": 0,
+            "prefills": 0,
+        }
         self._texts = choices.TokenTexts(tokenizer)
         self._logprobs = None  # the last pick's logprobs on the device (rows that asked for them)
 
     # ------------------------------------------------------------ callers' side
-    def submit(self, request: Request, sampling: SamplingOptions, stop: list[str], config,
-               loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
+    def submit(
+        self,
+        request: Request,
+        sampling: SamplingOptions,
+        stop: list[str],
+        config,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> Ticket:
         """Queue a request; its pieces and outcome come through the returned :class:`Ticket`
         (delivered on ``loop`` for async callers). ``sampling.n > 1``: ``n`` rows share one prefill
         (:mod:`snapkv_rag.runtime.choices`) and one ticket, whose outcome holds all ``n``."""
         ticket, sampling = Ticket(loop), _seeded(sampling)
         group = Group(request.input_ids, {"": config}, together=True, n=sampling.n) if sampling.n > 1 else None
-        self._queue([Job(choices.choice_request(request, i), choices.choice_sampling(sampling, i), list(stop),
-                         config, ticket, group=group, choice=i) for i in range(sampling.n)])
+        self._queue(
+            [
+                Job(
+                    choices.choice_request(request, i),
+                    choices.choice_sampling(sampling, i),
+                    list(stop),
+                    config,
+                    ticket,
+                    group=group,
+                    choice=i,
+                )
+                for i in range(sampling.n)
+            ]
+        )
         return ticket
 
-    def submit_group(self, requests: dict[str, Request], methods: dict[str, Any], sampling: SamplingOptions,
-                     stop: list[str], recorders: dict[str, Any] | None = None, together: bool = False
-                     ) -> dict[str, Ticket]:
+    def submit_group(
+        self,
+        requests: dict[str, Request],
+        methods: dict[str, Any],
+        sampling: SamplingOptions,
+        stop: list[str],
+        recorders: dict[str, Any] | None = None,
+        together: bool = False,
+    ) -> dict[str, Ticket]:
         """Queue one request per method of ``methods`` (name -> config) over the same prompt: one
         prefill fills all their caches, then they join the batch like any request: ``together``,
         as rows of one step; else each after the previous one finished (so that each has its own
@@ -148,8 +178,19 @@ class Scheduler:
         first = next(iter(requests.values()))
         group = Group(first.input_ids, dict(methods), together)
         sampling = _seeded(sampling)
-        jobs = [Job(requests[name], sampling, list(stop), methods[name], Ticket(), group=group, name=name,
-                    recorder=(recorders or {}).get(name)) for name in methods]
+        jobs = [
+            Job(
+                requests[name],
+                sampling,
+                list(stop),
+                methods[name],
+                Ticket(),
+                group=group,
+                name=name,
+                recorder=(recorders or {}).get(name),
+            )
+            for name in methods
+        ]
         self._queue(jobs)
         return {job.name: job.ticket for job in jobs}
 
@@ -165,8 +206,9 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         with self._cond:
-            return SchedulerStats(queued=len(self._waiting), running=len(self.running), max_batch=self.max_batch,
-                                  **self._totals)
+            return SchedulerStats(
+                queued=len(self._waiting), running=len(self.running), max_batch=self.max_batch, **self._totals
+            )
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop the worker: requests still waiting or running end with an error (:class:`Closed`)."""
@@ -198,8 +240,12 @@ class Scheduler:
             while self._waiting and self._waiting[0].ticket.cancelled.is_set():
                 self._waiting.popleft()
             head = self._waiting[0] if self._waiting else None
-            if head is not None and head.group is not None and not head.group.together and any(
-                    job.group is head.group for job in self.running.values()):
+            if (
+                head is not None
+                and head.group is not None
+                and not head.group.together
+                and any(job.group is head.group for job in self.running.values())
+            ):
                 return None  # the previous method of its group is still decoding
             if head is not None and len(self.running) < self.max_batch and self._fits(head):
                 return self._waiting.popleft()
@@ -208,10 +254,17 @@ class Scheduler:
     def _fits(self, job: Job) -> bool:
         if self.max_kv_bytes is None or not self.running or self._bytes_per_slot is None:
             return True
-        def slots(j): return min(len(j.request.input_ids), getattr(j.config, "max_capacity_prompt", None) or 1 << 30
-                                 ) + j.sampling.max_new_tokens
-        needed = (sum(slots(j) for j in [*self.running.values(), job]) * self._bytes_per_slot
-                  + (len(self.running) + 1) * self._state_bytes)
+
+        def slots(j):
+            return (
+                min(len(j.request.input_ids), getattr(j.config, "max_capacity_prompt", None) or 1 << 30)
+                + j.sampling.max_new_tokens
+            )
+
+        needed = (
+            sum(slots(j) for j in [*self.running.values(), job]) * self._bytes_per_slot
+            + (len(self.running) + 1) * self._state_bytes
+        )
         return needed <= self.max_kv_bytes
 
     def _prefill(self, job: Job) -> tuple[Compressed, torch.Tensor, float]:
@@ -238,8 +291,12 @@ class Scheduler:
         try:
             compressed, logits, prefill_s = self._prefill(job)
             stats = compression_stats(compressed, 1000 * compressed.selection_s)
-            job.outcome.update(compression=stats, prefill_s=prefill_s, queued_s=begin - job.submitted,
-                               kept_positions=compressed.kept_positions() if job.group is not None else None)
+            job.outcome.update(
+                compression=stats,
+                prefill_s=prefill_s,
+                queued_s=begin - job.submitted,
+                kept_positions=compressed.kept_positions() if job.group is not None else None,
+            )
             self._bytes_per_slot = stats.kv_bytes_kept / max(max(stats.kept_tokens), 1)
             self._state_bytes = state_bytes(request_states(compressed, self.runner.specs))
             job.text = TextState(self.tokenizer, job.stop)
@@ -253,8 +310,13 @@ class Scheduler:
                 self.slots = self.runner.new_slots(self.max_batch)
                 self.sampling = SamplingSlots(self.slots.max_rows, self.runner.device)
             row = self.slots.free_row()
-            self.slots.join(row, compressed, room=job.sampling.max_new_tokens, token=token,  # a lone prefill's
-                            consume=job.group is None and job.request.stored is None)  # layers go as written
+            self.slots.join(
+                row,
+                compressed,
+                room=job.sampling.max_new_tokens,
+                token=token,  # a lone prefill's
+                consume=job.group is None and job.request.stored is None,
+            )  # layers go as written
         except Exception as error:  # noqa: BLE001 - handed to the caller, who raises it
             job.ticket.put(_ERROR, error)
             return
@@ -277,9 +339,12 @@ class Scheduler:
         jobs = [self.running.get(row) for row in range(b)]
         wanted = choices.wanted(jobs)  # each row's logprobs count, or None
         eager = any(job is not None and job.constraint is not None for job in jobs) or any(
-            k is not None for k in wanted)  # a grammar, or logprobs: the logits are needed
+            k is not None for k in wanted
+        )  # a grammar, or logprobs: the logits are needed
         kind, self._logprobs = self.sampling.kind(b), None
-        pick = None if kind == GREEDY and not eager else lambda logits: self._pick(logits, jobs, self.sampling, b, wanted)
+        pick = (
+            None if kind == GREEDY and not eager else lambda logits: self._pick(logits, jobs, self.sampling, b, wanted)
+        )
         clock = StepClock(self.runner.device)
         try:
             tokens = self.runner.to_host(self.runner.decode_step(slots, b, pick))
@@ -302,8 +367,9 @@ class Scheduler:
             if not going:
                 self._leave(row)
 
-    def _pick(self, logits: torch.Tensor, jobs: list[Job | None], sampling: SamplingSlots, rows: int,
-              wanted: list[int | None]) -> torch.Tensor:
+    def _pick(
+        self, logits: torch.Tensor, jobs: list[Job | None], sampling: SamplingSlots, rows: int, wanted: list[int | None]
+    ) -> torch.Tensor:
         """Each row's next token under its own settings (and grammar, if it has one), on the device."""
         constraints = [job.constraint if job is not None else None for job in jobs]
         if any(c is not None for c in constraints):
@@ -333,9 +399,14 @@ class Scheduler:
         job.text.finished = job.text.finished or reason
         self._emit(job, job.text.flush(), final=True)
         steps = tuple(job.step_ms)
-        row = RowText(text=job.text.text, finish_reason=job.text.finished, token_ids=job.text.ids,
-                      decode_ms_per_token=sum(steps) / len(steps) if steps else 0.0, decode_step_ms=steps,
-                      logprobs=job.log and job.log.all)
+        row = RowText(
+            text=job.text.text,
+            finish_reason=job.text.finished,
+            token_ids=job.text.ids,
+            decode_ms_per_token=sum(steps) / len(steps) if steps else 0.0,
+            decode_step_ms=steps,
+            logprobs=job.log and job.log.all,
+        )
         with self._cond:
             self._totals["finished"] += 1
             self._totals["generated_tokens"] += len(job.text.ids)

@@ -7,7 +7,11 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the worker puts last (the scheduler builds it)
+    from .scheduler import Outcome
 
 _PIECE, _DONE, _ERROR = "piece", "done", "error"
 

@@ -26,8 +26,9 @@ log = logging.getLogger("snapkv_rag.server")
 
 
 def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down: this request was cancelled", type="server_error",
-                    code="shutting_down")
+    return APIError(
+        503, "the server is shutting down: this request was cancelled", type="server_error", code="shutting_down"
+    )
 
 
 def sse(event: dict | str) -> str:

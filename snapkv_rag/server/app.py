@@ -32,8 +32,12 @@ def _add_middleware(app: FastAPI, settings: ServerSettings) -> None:
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
 
 
 def create_app(llm, settings: ServerSettings) -> FastAPI:
@@ -50,8 +54,14 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         return stats.queued, stats.running
 
     server = ServerState(Metrics(load, getattr(llm, "prefix_stats", None), getattr(llm, "doc_stats", None)))
-    app = FastAPI(title="snapkv-rag", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  exception_handlers=error_handlers.HANDLERS)
+    app = FastAPI(
+        title="snapkv-rag",
+        lifespan=_lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        exception_handlers=error_handlers.HANDLERS,
+    )
     for router in ROUTERS:
         app.include_router(router)
     _add_middleware(app, settings)

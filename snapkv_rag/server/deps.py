@@ -34,8 +34,9 @@ async def server_settings(request: Request) -> ServerSettings:
     return request.app.state.settings
 
 
-async def admission(server: Annotated[ServerState, Depends(server_state)],
-                    settings: Annotated[ServerSettings, Depends(server_settings)]) -> AsyncIterator[Ticket]:
+async def admission(
+    server: Annotated[ServerState, Depends(server_state)], settings: Annotated[ServerSettings, Depends(server_settings)]
+) -> AsyncIterator[Ticket]:
     """A place among the requests in flight, or 503 (shutting down) or 429 (full). The answer
     releases it as soon as the engine is done (:mod:`.answers`); here only a request that fails
     before its answer takes over is released. Not on every exit: FastAPI 0.106 to 0.117 run a
@@ -43,9 +44,13 @@ async def admission(server: Annotated[ServerState, Depends(server_state)],
     if not server.accepting:
         raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
     if server.in_flight >= settings.max_batch + settings.max_queue:
-        raise APIError(429, f"the queue is full: {server.in_flight} requests in flight (max batch "
-                       f"{settings.max_batch} + queue {settings.max_queue}); retry later",
-                       type="rate_limit_error", code="queue_full")
+        raise APIError(
+            429,
+            f"the queue is full: {server.in_flight} requests in flight (max batch "
+            f"{settings.max_batch} + queue {settings.max_queue}); retry later",
+            type="rate_limit_error",
+            code="queue_full",
+        )
     ticket = Ticket(server)
     try:
         yield ticket
@@ -62,8 +67,12 @@ def parsed_call(parser: Callable[[dict, ServerSettings], Call]) -> Callable:
     async def parsed(request: Request, settings: Annotated[ServerSettings, Depends(server_settings)]) -> Call:
         call = parser(protocol.parse_json(await request.body()), settings)
         if call.model != settings.model_name:
-            raise APIError(404, f"model: {call.model!r} is not served here; this server serves "
-                           f"{settings.model_name!r}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model: {call.model!r} is not served here; this server serves {settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return call
 
     return parsed
@@ -74,15 +83,20 @@ async def check_context_length(llm, call: Call) -> None:
     the context window: said before any engine work, with the numbers. Tokenizing runs in a thread."""
     param = "messages" if call.kind == "chat" else "prompt"
     try:
-        prompt = await asyncio.to_thread(llm.request, call.prompt, call.documents,
-                                         tools=call.tools and call.tools.shown)
+        prompt = await asyncio.to_thread(
+            llm.request, call.prompt, call.documents, tools=call.tools and call.tools.shown
+        )
     except (ValueError, TypeError) as error:
         raise APIError(400, str(error), param=param) from None
     tokens, new = len(prompt.input_ids), call.options.get("max_new_tokens", llm.max_new_tokens)
     if tokens + new > llm.context_window:
-        raise APIError(400, f"this model's context window is {llm.context_window} tokens; the prompt is "
-                       f"{tokens} tokens and max_tokens is {new}: {tokens + new} in all",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"this model's context window is {llm.context_window} tokens; the prompt is "
+            f"{tokens} tokens and max_tokens is {new}: {tokens + new} in all",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def admitted_call(parser: Callable[[dict, ServerSettings], Call]) -> Callable:
@@ -91,8 +105,11 @@ def admitted_call(parser: Callable[[dict, ServerSettings], Call]) -> Callable:
     :class:`~.state.Ticket` with ``Depends(admission)`` (FastAPI solves it once per request)."""
     parsed = parsed_call(parser)
 
-    async def admitted(call: Annotated[Call, Depends(parsed)], ticket: Annotated[Ticket, Depends(admission)],
-                       llm: Annotated[Any, Depends(engine)]) -> Call:
+    async def admitted(
+        call: Annotated[Call, Depends(parsed)],
+        ticket: Annotated[Ticket, Depends(admission)],
+        llm: Annotated[Any, Depends(engine)],
+    ) -> Call:
         del ticket  # asked for so that admission comes after parsing and before the length check
         await check_context_length(llm, call)
         return call

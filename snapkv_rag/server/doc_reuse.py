@@ -13,16 +13,23 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from ..documents import store as doc_store, stored
+from ..documents import store as doc_store
+from ..documents import stored
 from .protocol import Call
 
 
 def eligible(llm, call: Call) -> bool:
     method = call.options["snapkv"] if "snapkv" in call.options else llm.default_snapkv
     single = isinstance(call.prompt, str) or (len(call.prompt) == 1 and call.prompt[0].get("role") == "user")
-    return (bool(call.documents) and single and call.tools is None and stored.storable(method)
-            and call.options.get("cite", "text") == "text" and llm.doc_store.max_bytes > 0
-            and doc_store.unsupported(llm) is None)
+    return (
+        bool(call.documents)
+        and single
+        and call.tools is None
+        and stored.storable(method)
+        and call.options.get("cite", "text") == "text"
+        and llm.doc_store.max_bytes > 0
+        and doc_store.unsupported(llm) is None
+    )
 
 
 async def over_stored(llm, call: Call) -> Call:

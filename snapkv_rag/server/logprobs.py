@@ -45,8 +45,10 @@ def chat(entries: list | None) -> dict | None:
     """``choice.logprobs`` of a chat response or chunk (``None`` without logprobs)."""
     if entries is None:
         return None
-    return {"content": [{**_top(e), "top_logprobs": [_top(t) for t in e.top_logprobs]} for e in entries],
-            "refusal": None}
+    return {
+        "content": [{**_top(e), "top_logprobs": [_top(t) for t in e.top_logprobs]} for e in entries],
+        "refusal": None,
+    }
 
 
 def completion(entries: list | None, offset: int = 0) -> dict | None:
@@ -57,8 +59,12 @@ def completion(entries: list | None, offset: int = 0) -> dict | None:
     for entry in entries:
         offsets.append(offset)
         offset += len(entry.token)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries], "text_offset": offsets}
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def of(kind: str, entries: list | None, offset: int = 0) -> dict | None:

@@ -21,36 +21,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-snapkv", dest="full", action="store_true", help="the same as --full")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="(default 8000)")
-    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model, "
-                        "or the embedded model's name)")
-    parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16; 1 = one "
-                        "at a time)")
-    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429 "
-                        "(default 64)")
-    parser.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every endpoint "
-                        f"but /health (default: ${KEY_VARIABLE} if set)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: --model, or the embedded model's name)",
+    )
+    parser.add_argument(
+        "--max-batch", type=int, default=16, help="requests decoded together (default 16; 1 = one at a time)"
+    )
+    parser.add_argument(
+        "--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429 (default 64)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${KEY_VARIABLE} if set)",
+    )
     parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host without an API key")
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413 "
-                        "(default 4 MiB)")
-    parser.add_argument("--max-documents", type=int, default=64, help="more documents in one request get 400 "
-                        "(default 64)")
-    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                        help="allow browser requests from ORIGIN (repeatable; default: none)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM/Ctrl-C, seconds to let "
-                        "in-flight requests finish before they are cancelled (default 30)")
-    parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
-                        help="bound of the document prefix cache: the prefill of instruction + documents is kept "
-                        "and reused by the next question over them (default 1 GiB; 0 disables)")
-    parser.add_argument("--doc-store-bytes", type=int, default=1 << 30, metavar="BYTES",
-                        help="bound of the store of compressed document sets: a request with a query-agnostic "
-                        "method (keynorm, kvzip) over documents seen before prefills only its question "
-                        "(default 1 GiB; 0 disables)")
-    parser.add_argument("--replicas", type=int, default=None, metavar="K", help="run K engines as Ray Serve replicas "
-                        "behind the same routes, one GPU each where there are GPUs (needs the ray extra; default: one "
-                        "engine in this process, no Ray)")
-    parser.add_argument("--ray-address", default=None, help="with --replicas: the Ray cluster to join, as it is: who "
-                        "can reach its ports is its operator's trust boundary (default: $RAY_ADDRESS, else start one "
-                        "here with Ray's ports on 127.0.0.1)")
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413 (default 4 MiB)"
+    )
+    parser.add_argument(
+        "--max-documents", type=int, default=64, help="more documents in one request get 400 (default 64)"
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="allow browser requests from ORIGIN (repeatable; default: none)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish before they are cancelled (default 30)",
+    )
+    parser.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=1 << 30,
+        metavar="BYTES",
+        help="bound of the document prefix cache: the prefill of instruction + documents is kept "
+        "and reused by the next question over them (default 1 GiB; 0 disables)",
+    )
+    parser.add_argument(
+        "--doc-store-bytes",
+        type=int,
+        default=1 << 30,
+        metavar="BYTES",
+        help="bound of the store of compressed document sets: a request with a query-agnostic "
+        "method (keynorm, kvzip) over documents seen before prefills only its question "
+        "(default 1 GiB; 0 disables)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="K",
+        help="run K engines as Ray Serve replicas "
+        "behind the same routes, one GPU each where there are GPUs (needs the ray extra; default: one "
+        "engine in this process, no Ray)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --replicas: the Ray cluster to join, as it is: who "
+        "can reach its ports is its operator's trust boundary (default: $RAY_ADDRESS, else start one "
+        "here with Ray's ports on 127.0.0.1)",
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -64,19 +103,25 @@ def is_loopback(host: str) -> bool:
 
 def check(args) -> str | None:
     """The server flags, checked before the model loads; returns the API key (flag or variable)."""
-    for flag, value, least in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
-                               ("--max-queue", args.max_queue, 0), ("--max-body-bytes", args.max_body_bytes, 1),
-                               ("--max-documents", args.max_documents, 1),
-                               ("--prefix-cache-bytes", args.prefix_cache_bytes, 0),
-                               ("--doc-store-bytes", args.doc_store_bytes, 0)):
+    for flag, value, least in (
+        ("--port", args.port, 0),
+        ("--max-batch", args.max_batch, 1),
+        ("--max-queue", args.max_queue, 0),
+        ("--max-body-bytes", args.max_body_bytes, 1),
+        ("--max-documents", args.max_documents, 1),
+        ("--prefix-cache-bytes", args.prefix_cache_bytes, 0),
+        ("--doc-store-bytes", args.doc_store_bytes, 0),
+    ):
         if value < least:
             raise ValueError(f"{flag} {value}: must be at least {least}")
     if args.port > 65535:
         raise ValueError(f"--port {args.port}: must be at most 65535")
     key = args.api_key or os.environ.get(KEY_VARIABLE) or None
     if not is_loopback(args.host) and key is None and not args.allow_remote:
-        raise ValueError(f"--host {args.host}: listening beyond this machine without an API key; give --api-key "
-                         f"(or ${KEY_VARIABLE}), or --allow-remote to serve without one")
+        raise ValueError(
+            f"--host {args.host}: listening beyond this machine without an API key; give --api-key "
+            f"(or ${KEY_VARIABLE}), or --allow-remote to serve without one"
+        )
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas {args.replicas}: must be at least 1")
     if args.ray_address and args.replicas is None:
@@ -88,10 +133,17 @@ def check(args) -> str | None:
 
 def settings(args, key: str | None, default_name: str, compression, base_compression) -> ServerSettings:
     """The server's settings from its flags; the model id is ``default_name`` unless named by flags."""
-    return ServerSettings(model_name=args.served_model_name or args.model or default_name, api_key=key,
-                          max_batch=args.max_batch, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                          max_documents=args.max_documents, cors_origins=tuple(args.cors_origin),
-                          compression=compression, base_compression=base_compression)
+    return ServerSettings(
+        model_name=args.served_model_name or args.model or default_name,
+        api_key=key,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        max_documents=args.max_documents,
+        cors_origins=tuple(args.cors_origin),
+        compression=compression,
+        base_compression=base_compression,
+    )
 
 
 def run(llm, server_settings: ServerSettings, args) -> int:
@@ -110,12 +162,25 @@ def run(llm, server_settings: ServerSettings, args) -> int:
 
     level = "warning" if args.quiet else "info" if args.verbose else "warning"
     # uvicorn's own timeout is the backstop for a request that has not produced a token by then
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=args.verbose,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 10, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=level,
+        access_log=args.verbose,
+        timeout_graceful_shutdown=args.shutdown_timeout + 10,
+        lifespan="on",
+    )
     server = Server(config)
-    log.warning("serving %r on http://%s:%d/v1 (max batch %d, queue %d%s)", server_settings.model_name, args.host,
-                args.port, server_settings.max_batch, server_settings.max_queue,
-                ", API key required" if server_settings.api_key else "")
+    log.warning(
+        "serving %r on http://%s:%d/v1 (max batch %d, queue %d%s)",
+        server_settings.model_name,
+        args.host,
+        args.port,
+        server_settings.max_batch,
+        server_settings.max_queue,
+        ", API key required" if server_settings.api_key else "",
+    )
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again to the handler
     # it found: a quiet one here, so that a requested stop exits with status 0
     stops = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -58,11 +58,15 @@ def parse_json(raw: bytes) -> dict:
     except UnicodeDecodeError as error:
         raise APIError(400, f"the request body is not UTF-8 text: {error}", code="invalid_json") from None
     except json.JSONDecodeError as error:
-        raise APIError(400, f"the request body is not valid JSON: {error.msg} at line {error.lineno} column "
-                       f"{error.colno}", code="invalid_json") from None
+        raise APIError(
+            400,
+            f"the request body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}",
+            code="invalid_json",
+        ) from None
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}",
-                       code="invalid_json")
+        raise APIError(
+            400, f"the request body must be a JSON object, got a JSON {type(body).__name__}", code="invalid_json"
+        )
     return body
 
 
@@ -72,15 +76,15 @@ def _documents(items: Any, param: str, limit: int, already: int = 0) -> list[dic
     if not isinstance(items, list):
         raise bad(param, 'expected a list of {"title", "text"} objects or strings', "invalid_type")
     if already + len(items) > limit:
-        raise bad(param, f"{already + len(items)} documents, more than this server takes ({limit})",
-                   "too_many_documents")
+        raise bad(
+            param, f"{already + len(items)} documents, more than this server takes ({limit})", "too_many_documents"
+        )
     out = []
     for i, item in enumerate(items):
         if isinstance(item, str):
             item = {"text": item}
         if not isinstance(item, dict) or not isinstance(item.get("text"), str):
-            raise bad(f"{param}[{i}]", 'expected {"title", "text"} with "text" a string, or a string',
-                       "invalid_type")
+            raise bad(f"{param}[{i}]", 'expected {"title", "text"} with "text" a string, or a string', "invalid_type")
         if item.get("title") is not None and not isinstance(item["title"], str):
             raise bad(f"{param}[{i}].title", "expected a string", "invalid_type")
         out.append(item)
@@ -106,8 +110,11 @@ def _messages(body: dict, limit: int, documents: list[dict]) -> list[dict]:
     assistant messages with ``tool_calls`` (``content`` may be null) and ``tool`` results."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects",
-                   "invalid_type" if messages is not None else "missing")
+        raise bad(
+            "messages",
+            'expected a non-empty list of {"role", "content"} objects',
+            "invalid_type" if messages is not None else "missing",
+        )
     out: list[dict] = []
     calls_by_id: dict[str, str] = {}
     for i, message in enumerate(messages):
@@ -115,14 +122,18 @@ def _messages(body: dict, limit: int, documents: list[dict]) -> list[dict]:
             raise bad(f"messages[{i}]", 'expected an object with "role" and "content"', "invalid_type")
         role = message.get("role")
         if role not in ROLES:
-            raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
-                       "invalid_role")
+            raise bad(
+                f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}", "invalid_role"
+            )
         documents.extend(_documents(message.get("documents"), f"messages[{i}].documents", limit, len(documents)))
         loop = role == "tool" or (role == "assistant" and message.get("tool_calls"))
         content = message.get("content")
         content = None if loop and content is None else _content(content, f"messages[{i}].content")
-        out.append(tool_calls.loop_message(message, i, content, calls_by_id) if loop
-                   else {"role": ROLES[role], "content": content})
+        out.append(
+            tool_calls.loop_message(message, i, content, calls_by_id)
+            if loop
+            else {"role": ROLES[role], "content": content}
+        )
     return out
 
 
@@ -142,8 +153,12 @@ def _switch_method(name: Any, base):
     if name not in METHODS:
         raise bad("snapkv.method", f"must be one of {', '.join(METHODS)}, got {json.dumps(name)}")
     plain, target = SnapKVConfig(), {f.name for f in fields_of(METHODS[name])}
-    carried = {f.name: getattr(base, f.name) for f in fields_of(base) if f.name in target and (
-        f.name in ("max_capacity_prompt", "ratio") or getattr(base, f.name) != getattr(plain, f.name, None))}
+    carried = {
+        f.name: getattr(base, f.name)
+        for f in fields_of(base)
+        if f.name in target
+        and (f.name in ("max_capacity_prompt", "ratio") or getattr(base, f.name) != getattr(plain, f.name, None))
+    }
     return METHODS[name](**carried)
 
 
@@ -155,7 +170,7 @@ def _budget_fields(fields: dict) -> dict:
         try:
             fields["ratio"] = float(budget[:-1]) / 100
         except ValueError:
-            raise bad("snapkv.budget", f"expected tokens (512) or a share (\"50%\"), got {budget!r}") from None
+            raise bad("snapkv.budget", f'expected tokens (512) or a share ("50%"), got {budget!r}') from None
     elif budget is not None:
         fields["max_capacity_prompt"] = budget
     if [k for k in ("max_capacity_prompt", "ratio") if fields.get(k) is not None]:
@@ -174,7 +189,7 @@ def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | 
     if isinstance(value, bool):
         return (settings.compression or settings.base_compression) if value else False
     if not isinstance(value, dict):
-        raise bad("snapkv", "expected false, true or an object such as {\"max_capacity_prompt\": 512}", "invalid_type")
+        raise bad("snapkv", 'expected false, true or an object such as {"max_capacity_prompt": 512}', "invalid_type")
     known = snapkv_fields()
     unknown = sorted(set(value) - set(known))
     if unknown:
@@ -193,6 +208,7 @@ def _compression(value: Any, settings: ServerSettings) -> SnapKVConfig | bool | 
     except (ValueError, TypeError) as error:
         name = str(error).split(":")[0]
         raise bad(f"snapkv.{name}" if name in known else "snapkv", str(error)) from None
+
 
 def _options(body: dict, settings: ServerSettings) -> tuple[dict, bool, bool]:
     for name in UNSUPPORTED:
@@ -247,8 +263,11 @@ def _options(body: dict, settings: ServerSettings) -> tuple[dict, bool, bool]:
 def _model(body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise bad("model", "expected the model's id as a string (GET /v1/models lists it)",
-                   "missing" if model is None else "invalid_type")
+        raise bad(
+            "model",
+            "expected the model's id as a string (GET /v1/models lists it)",
+            "missing" if model is None else "invalid_type",
+        )
     return model
 
 
@@ -284,18 +303,25 @@ def parse_completion(body: dict, settings: ServerSettings) -> Call:
 # ---------------------------------------------------------------------------------- responses
 def usage(result) -> dict:
     u = result.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
 
 
 def extension(result) -> dict:
     """The ``snapkv`` field of a response: citations, the cited documents and the compression figures."""
-    return {"citations": result.citations,
-            "cited_documents": [{"number": n, "title": result.documents[n - 1].title, "id": result.documents[n - 1].id}
-                                for n in result.citations],
-            "compression": asdict(result.compression),
-            "timings": {"prefill_s": result.timings.prefill_s,
-                        "decode_ms_per_token": result.timings.decode_ms_per_token}}
+    return {
+        "citations": result.citations,
+        "cited_documents": [
+            {"number": n, "title": result.documents[n - 1].title, "id": result.documents[n - 1].id}
+            for n in result.citations
+        ],
+        "compression": asdict(result.compression),
+        "timings": {"prefill_s": result.timings.prefill_s, "decode_ms_per_token": result.timings.decode_ms_per_token},
+    }
 
 
 def response(call: Call, call_id: str, created: int, result) -> dict:
@@ -303,22 +329,50 @@ def response(call: Call, call_id: str, created: int, result) -> dict:
     choices = []
     for index, answer in enumerate(result.choices or [result]):
         content = {"message": tool_calls.message(answer, call.tools)} if call.kind == "chat" else {"text": answer.text}
-        choices.append({"index": index, **content, "finish_reason": answer.finish_reason,
-                        "logprobs": logprobs.of(call.kind, answer.logprobs)})
+        choices.append(
+            {
+                "index": index,
+                **content,
+                "finish_reason": answer.finish_reason,
+                "logprobs": logprobs.of(call.kind, answer.logprobs),
+            }
+        )
     kind = "chat.completion" if call.kind == "chat" else "text_completion"
-    return {"id": call_id, "object": kind, "created": created, "model": call.model, "choices": choices,
-            "usage": usage(result), "snapkv": extension(result)}
+    return {
+        "id": call_id,
+        "object": kind,
+        "created": created,
+        "model": call.model,
+        "choices": choices,
+        "usage": usage(result),
+        "snapkv": extension(result),
+    }
 
 
-def chunk(call: Call, call_id: str, created: int, piece: str | dict | None = None, result=None,
-          role: bool = False, index: int = 0, entries: dict | None = None) -> dict:
+def chunk(
+    call: Call,
+    call_id: str,
+    created: int,
+    piece: str | dict | None = None,
+    result=None,
+    role: bool = False,
+    index: int = 0,
+    entries: dict | None = None,
+) -> dict:
     """One streamed event of choice ``index``: a text piece (or a chat ``delta``, such as a tool
     call's) with its tokens' logprobs (``entries``, shaped by :mod:`.logprobs`), the opening role
     (chat), or the closing finish reason (``result`` given; it carries the ``snapkv`` field)."""
     reason = result.finish_reason if result is not None else None
     if call.kind == "chat":
-        delta = {"role": "assistant", "content": ""} if role else {} if piece is None else \
-            piece if isinstance(piece, dict) else {"content": piece}
+        delta = (
+            {"role": "assistant", "content": ""}
+            if role
+            else {}
+            if piece is None
+            else piece
+            if isinstance(piece, dict)
+            else {"content": piece}
+        )
         choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": entries}
         kind = "chat.completion.chunk"
     else:
@@ -334,5 +388,11 @@ def chunk(call: Call, call_id: str, created: int, piece: str | dict | None = Non
 
 def usage_chunk(call: Call, call_id: str, created: int, result) -> dict:
     kind = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
-    return {"id": call_id, "object": kind, "created": created, "model": call.model, "choices": [],
-            "usage": usage(result)}
+    return {
+        "id": call_id,
+        "object": kind,
+        "created": created,
+        "model": call.model,
+        "choices": [],
+        "usage": usage(result),
+    }

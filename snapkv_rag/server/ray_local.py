@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-from typing import Any, Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
+from typing import Any
 
 SINGLE_MACHINE_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"  # set to "token" by a ray.init that turned token authentication on
@@ -58,8 +59,13 @@ def start(*, include_dashboard: bool = False, object_store_memory: int = OBJECT_
     import ray
 
     with _single_machine_mode():
-        ray.init(address="local", include_dashboard=include_dashboard, dashboard_host="127.0.0.1",
-                 object_store_memory=object_store_memory, **options)
+        ray.init(
+            address="local",
+            include_dashboard=include_dashboard,
+            dashboard_host="127.0.0.1",
+            object_store_memory=object_store_memory,
+            **options,
+        )
 
 
 def is_loopback(ip: str) -> bool:
@@ -106,8 +112,13 @@ def beyond_loopback(meant: Collection[int] = ()) -> list[str]:
     import psutil
 
     me = psutil.Process()
-    return sorted({name for name, ip, port in listening([me, *me.children(recursive=True)])
-                   if not is_loopback(ip) and port not in meant})
+    return sorted(
+        {
+            name
+            for name, ip, port in listening([me, *me.children(recursive=True)])
+            if not is_loopback(ip) and port not in meant
+        }
+    )
 
 
 def exposure_warning(meant: Collection[int] = ()) -> str | None:
@@ -119,7 +130,12 @@ def exposure_warning(meant: Collection[int] = ()) -> str | None:
     if not names:
         return None
     mode = os.environ.get(AUTH_MODE_VARIABLE, "disabled").lower()
-    guard = ("Ray's token authentication is off: whoever reaches them can run code here" if mode == "disabled"
-             else f"they require Ray's authentication, {AUTH_MODE_VARIABLE}={mode}")
-    return (f"Ray components listening beyond loopback (this Ray version binds them to all interfaces; {guard}): "
-            f"{', '.join(names)}")
+    guard = (
+        "Ray's token authentication is off: whoever reaches them can run code here"
+        if mode == "disabled"
+        else f"they require Ray's authentication, {AUTH_MODE_VARIABLE}={mode}"
+    )
+    return (
+        f"Ray components listening beyond loopback (this Ray version binds them to all interfaces; {guard}): "
+        f"{', '.join(names)}"
+    )

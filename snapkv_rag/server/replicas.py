@@ -69,9 +69,13 @@ def application(engine_options: dict, settings: ServerSettings, replicas: int, g
             app.add_middleware(ReplicaHeader, name=self.name)
             return app
 
-    deployment = serve.deployment(Replica, name="snapkv-rag", num_replicas=replicas,
-                                  max_ongoing_requests=settings.max_batch + settings.max_queue + 1,
-                                  ray_actor_options={"num_gpus": gpus_per_replica})
+    deployment = serve.deployment(
+        Replica,
+        name="snapkv-rag",
+        num_replicas=replicas,
+        max_ongoing_requests=settings.max_batch + settings.max_queue + 1,
+        ray_actor_options={"num_gpus": gpus_per_replica},
+    )
     return deployment.bind(engine_options, settings)
 
 
@@ -99,19 +103,30 @@ def run(engine_options: dict, settings: ServerSettings, args) -> int:
         import ray
         from ray import serve
     except ImportError as error:
-        raise ValueError(f"--replicas: needs Ray Serve ({error}); install the ray extra: pip install "
-                         "'snapkv-rag[ray]'") from None
+        raise ValueError(
+            f"--replicas: needs Ray Serve ({error}); install the ray extra: pip install 'snapkv-rag[ray]'"
+        ) from None
     started = _start_ray(args)
     gpus = 1 if torch.cuda.is_available() else 0
     serve.start(http_options={"host": args.host, "port": args.port})
     quiet = {"log_level": "INFO" if args.verbose else "WARNING", "enable_access_log": args.verbose}
-    serve.run(application(engine_options, settings, args.replicas, gpus), name="snapkv-rag", route_prefix="/",
-              logging_config=quiet)
+    serve.run(
+        application(engine_options, settings, args.replicas, gpus),
+        name="snapkv-rag",
+        route_prefix="/",
+        logging_config=quiet,
+    )
     exposed = ray_local.exposure_warning(meant=[args.port]) if started else None  # the proxy is on --host
     if exposed:
         log.warning("%s", exposed)
-    log.warning("serving %r on http://%s:%d/v1 from %d Ray Serve replicas (%s)", settings.model_name, args.host,
-                args.port, args.replicas, "one GPU each" if gpus else "CPU")
+    log.warning(
+        "serving %r on http://%s:%d/v1 from %d Ray Serve replicas (%s)",
+        settings.model_name,
+        args.host,
+        args.port,
+        args.replicas,
+        "one GPU each" if gpus else "CPU",
+    )
     stop = threading.Event()
     stops = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -63,15 +63,20 @@ def message(result, plan: ToolPlan | None) -> dict:
     """The assistant message of a chat response: its tool calls, or its text. A call cut short
     (``max_tokens``) comes as far as it got once its name is complete, as in the stream."""
     if result.tool_calls:
-        calls = [openai_call(c["id"], c["name"], json.dumps(c["arguments"], ensure_ascii=False))
-                 for c in result.tool_calls]
+        calls = [
+            openai_call(c["id"], c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in result.tool_calls
+        ]
         return {"role": "assistant", "content": None, "tool_calls": calls}
     if plan is not None and plan.call:
         stream = CallStream()
         deltas = stream.feed(result.text)
         if stream.name is not None:
             arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
-            return {"role": "assistant", "content": None, "tool_calls": [openai_call(stream.id, stream.name, arguments)]}
+            return {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [openai_call(stream.id, stream.name, arguments)],
+            }
     return {"role": "assistant", "content": result.text}
 
 
@@ -105,7 +110,7 @@ class CallStream:
             else:
                 self._scan(char)
         if self.scanned > sent:
-            deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": self.text[sent:self.scanned]}}]})
+            deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": self.text[sent : self.scanned]}}]})
         return deltas
 
     def _scan(self, char: str) -> None:

@@ -12,10 +12,11 @@ from typing import Any
 from langchain_core.documents import Document as LCDocument
 from langchain_core.messages.ai import UsageMetadata
 from pydantic import Field
+
 from snapkv_rag import Document, GenerationResult
+from snapkv_rag.documents.store import DocumentHandle
 from snapkv_rag.frameworks.fields import EngineSpec
 from snapkv_rag.frameworks.shared import call_options, result_metadata
-from snapkv_rag.documents.store import DocumentHandle
 
 __all__ = ["EngineFields", "to_engine_documents", "usage_metadata", "result_metadata"]
 
@@ -39,8 +40,13 @@ class EngineFields(EngineSpec):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "snapkv": repr(self.snapkv), "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "top_p": self.top_p}
+        return {
+            "model_name": self.model_name,
+            "snapkv": repr(self.snapkv),
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+        }
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids from the model's own tokenizer."""
@@ -54,13 +60,19 @@ class EngineFields(EngineSpec):
         kwargs = dict(kwargs)
         documents = to_engine_documents(kwargs.pop("documents", None))
         if "model" in kwargs:
-            raise ValueError(f"model: {type(self).__name__} serves the model it loaded "
-                             f"({self.model_name}); a per-call model override is not supported")
+            raise ValueError(
+                f"model: {type(self).__name__} serves the model it loaded "
+                f"({self.model_name}); a per-call model override is not supported"
+            )
         if "max_tokens" in kwargs:  # LangChain's name for it
             kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
         stored = isinstance(documents, DocumentHandle)  # runs the method it was indexed with, not the field's
-        fields = {"max_new_tokens": self.max_tokens, "stop": self.stop, "snapkv": None if stored else self.snapkv,
-                  **{name: getattr(self, name) for name in ("temperature", "top_p", "seed")}}
+        fields = {
+            "max_new_tokens": self.max_tokens,
+            "stop": self.stop,
+            "snapkv": None if stored else self.snapkv,
+            **{name: getattr(self, name) for name in ("temperature", "top_p", "seed")},
+        }
         options = call_options(fields, {**kwargs, **({"stop": stop} if stop is not None else {})}, ("documents",))
         return options, documents
 
@@ -72,22 +84,34 @@ def to_engine_documents(items: Sequence[Any] | None) -> list | None:
     if items is None or isinstance(items, DocumentHandle):  # a stored compressed document set goes as it is
         return items
     if isinstance(items, (str, Mapping, LCDocument, Document)) or not isinstance(items, Sequence):
-        raise TypeError(f"documents: expected a list of documents, got a single {type(items).__name__}; "
-                        "wrap it in a list")
+        raise TypeError(
+            f"documents: expected a list of documents, got a single {type(items).__name__}; wrap it in a list"
+        )
     converted = []
     for index, item in enumerate(items):
         if isinstance(item, LCDocument):
             title = item.metadata.get("title")
-            converted.append(Document(text=item.page_content, title=None if title is None else str(title),
-                                      id=item.id, metadata=dict(item.metadata)))
+            converted.append(
+                Document(
+                    text=item.page_content,
+                    title=None if title is None else str(title),
+                    id=item.id,
+                    metadata=dict(item.metadata),
+                )
+            )
         elif isinstance(item, (str, Mapping, Document)):
             converted.append(item)  # the engine validates these
         else:
-            raise TypeError(f"documents[{index}]: expected a LangChain Document, a str, a dict with 'text' or a "
-                            f"snapkv_rag.Document; got {type(item).__name__}")
+            raise TypeError(
+                f"documents[{index}]: expected a LangChain Document, a str, a dict with 'text' or a "
+                f"snapkv_rag.Document; got {type(item).__name__}"
+            )
     return converted
 
 
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
-    return UsageMetadata(input_tokens=result.usage.prompt_tokens, output_tokens=result.usage.completion_tokens,
-                         total_tokens=result.usage.total_tokens)
+    return UsageMetadata(
+        input_tokens=result.usage.prompt_tokens,
+        output_tokens=result.usage.completion_tokens,
+        total_tokens=result.usage.total_tokens,
+    )

@@ -8,16 +8,23 @@ from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
-from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage,
-                                     ToolMessage)
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.messages.content import create_plaintext_block
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
+
 from snapkv_rag import Document, GenerationResult
 from snapkv_rag.request.prompts import to_document
 from snapkv_rag.request.tools import ToolPlan
-
 
 from . import structured
 from ._engine import EngineFields, result_metadata, to_engine_documents, usage_metadata
@@ -71,9 +78,11 @@ class ChatSnapKV(EngineFields, BaseChatModel):
     """
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="snapkv", ls_model_type="chat",
-                                 ls_model_name=kwargs.get("model") if isinstance(kwargs.get("model"), str)
-                                 else self.model_name)
+        params = LangSmithParams(
+            ls_provider="snapkv",
+            ls_model_type="chat",
+            ls_model_name=kwargs.get("model") if isinstance(kwargs.get("model"), str) else self.model_name,
+        )
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
         if max_tokens is not None:
             params["ls_max_tokens"] = max_tokens
@@ -85,17 +94,28 @@ class ChatSnapKV(EngineFields, BaseChatModel):
         return params
 
     # ------------------------------------------------------------------ tools, structured output
-    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
-                   tool_choice: str | bool | dict | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: str | bool | dict | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (LangChain tools, functions, pydantic classes, TypedDicts or OpenAI function
         dicts). ``tool_choice``: ``"auto"`` (default), ``"any"``/``"required"``, a tool name,
         ``True`` (the one tool) or ``"none"``. A call is decoded under the JSON schema of the call."""
         formatted, choice = structured.engine_tools(tools, tool_choice)
         return self.bind(tools=formatted, **({"tool_choice": choice} if choice else {}), **kwargs)
 
-    def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
-                               include_raw: bool = False, strict: bool | None = None,
-                               **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
+    def with_structured_output(
+        self,
+        schema: dict | type | None = None,
+        *,
+        method: str = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Any]:
         """Answers parsed into ``schema`` (a pydantic class, a TypedDict or a JSON schema dict).
 
         ``method``: ``"json_schema"`` (default) decodes the answer under the schema;
@@ -131,19 +151,34 @@ class ChatSnapKV(EngineFields, BaseChatModel):
         return plan is not None and bool(plan.call)
 
     def _chat_result(self, result: GenerationResult, expects_call: bool) -> ChatResult:
-        message = structured.ai_message(result, expects_call, usage_metadata=usage_metadata(result),
-                                        response_metadata=result_metadata(result, self.model_name))
-        return ChatResult(generations=[ChatGeneration(message=message,
-                                                      generation_info={"finish_reason": result.finish_reason})],
-                          llm_output={"model_name": self.model_name})
+        message = structured.ai_message(
+            result,
+            expects_call,
+            usage_metadata=usage_metadata(result),
+            response_metadata=result_metadata(result, self.model_name),
+        )
+        return ChatResult(
+            generations=[ChatGeneration(message=message, generation_info={"finish_reason": result.finish_reason})],
+            llm_output={"model_name": self.model_name},
+        )
 
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         request = self._request(messages, stop, kwargs)
         return self._chat_result(self.engine.chat(**request), self._expects_call(request))
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         request = self._request(messages, stop, kwargs)
         result = await self.engine.achat(**request)
         return self._chat_result(result, self._expects_call(request))
@@ -157,13 +192,23 @@ class ChatSnapKV(EngineFields, BaseChatModel):
         if expects_call and call is None:  # cut short: the text, as invoke gives it
             call = AIMessageChunk(content=item.text)
         last = ChatGenerationChunk(
-            message=AIMessageChunk(content="", usage_metadata=usage_metadata(item),
-                                   response_metadata=result_metadata(item, self.model_name), chunk_position="last"),
-            generation_info={"finish_reason": item.finish_reason})
+            message=AIMessageChunk(
+                content="",
+                usage_metadata=usage_metadata(item),
+                response_metadata=result_metadata(item, self.model_name),
+                chunk_position="last",
+            ),
+            generation_info={"finish_reason": item.finish_reason},
+        )
         return [ChatGenerationChunk(message=call), last] if call is not None else [last]
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
         expects_call = self._expects_call(request)
         with closing(self.engine.stream_result(request.pop("messages"), **request)) as items:
@@ -173,9 +218,13 @@ class ChatSnapKV(EngineFields, BaseChatModel):
                         run_manager.on_llm_new_token(item, chunk=chunk)
                     yield chunk
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
         expects_call = self._expects_call(request)
         chat = request.pop("messages")
@@ -226,23 +275,32 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> tuple[list[dict[str, 
                 else:
                     texts.append(f"{document.title}\n{document.text}" if document.title else document.text)
             else:
-                raise ValueError(f"messages[{index}]: content block of type {block.get('type')!r} is not supported; "
-                                 "ChatSnapKV takes text, and text-plain blocks with inline text as documents")
+                raise ValueError(
+                    f"messages[{index}]: content block of type {block.get('type')!r} is not supported; "
+                    "ChatSnapKV takes text, and text-plain blocks with inline text as documents"
+                )
         chat.append({"role": role, "content": "".join(texts)})
         if isinstance(message, AIMessage) and message.tool_calls:
-            chat[-1]["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "arguments": c["args"]}
-                                      for c in message.tool_calls]
+            chat[-1]["tool_calls"] = [
+                {"id": c.get("id"), "name": c["name"], "arguments": c["args"]} for c in message.tool_calls
+            ]
         if isinstance(message, ToolMessage):
             chat[-1].update({"tool_call_id": message.tool_call_id, "name": message.name})
     return chat, documents
 
 
 def _role(message: BaseMessage, index: int) -> str:
-    for kind, role in ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant"),
-                       (ToolMessage, "tool")):
+    for kind, role in (
+        (SystemMessage, "system"),
+        (HumanMessage, "user"),
+        (AIMessage, "assistant"),
+        (ToolMessage, "tool"),
+    ):
         if isinstance(message, kind):
             return role
     if isinstance(message, ChatMessage) and message.role in _ROLES:
         return _ROLES[message.role]
-    raise ValueError(f"messages[{index}]: {type(message).__name__} is not supported; ChatSnapKV takes system, "
-                     f"human, AI and tool messages")
+    raise ValueError(
+        f"messages[{index}]: {type(message).__name__} is not supported; ChatSnapKV takes system, "
+        f"human, AI and tool messages"
+    )

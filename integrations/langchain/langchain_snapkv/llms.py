@@ -10,8 +10,8 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from snapkv_rag import GenerationResult
 
+from snapkv_rag import GenerationResult
 
 from ._engine import EngineFields, result_metadata
 
@@ -35,8 +35,10 @@ class SnapKVLLM(EngineFields, BaseLLM):
 
     def _generation(self, result: GenerationResult) -> Generation:
         info = result_metadata(result, self.model_name)
-        info["usage"] = {"prompt_tokens": result.usage.prompt_tokens,
-                         "completion_tokens": result.usage.completion_tokens}
+        info["usage"] = {
+            "prompt_tokens": result.usage.prompt_tokens,
+            "completion_tokens": result.usage.completion_tokens,
+        }
         return Generation(text=result.text, generation_info=info)
 
     def _llm_result(self, generations: list[Generation]) -> LLMResult:
@@ -45,11 +47,13 @@ class SnapKVLLM(EngineFields, BaseLLM):
             for key in usage:
                 usage[key] += generation.generation_info["usage"][key]
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return LLMResult(generations=[[g] for g in generations],
-                         llm_output={"token_usage": usage, "model_name": self.model_name})
+        return LLMResult(
+            generations=[[g] for g in generations], llm_output={"token_usage": usage, "model_name": self.model_name}
+        )
 
-    def _one(self, prompt: str, options: dict, documents: list | None,
-             run_manager: CallbackManagerForLLMRun | None) -> Generation:
+    def _one(
+        self, prompt: str, options: dict, documents: list | None, run_manager: CallbackManagerForLLMRun | None
+    ) -> Generation:
         if not self.streaming:
             return self._generation(self.engine.generate(prompt, documents, **options))
         text = ""
@@ -58,17 +62,28 @@ class SnapKVLLM(EngineFields, BaseLLM):
             info = chunk.generation_info
         return Generation(text=text, generation_info=info)
 
-    def _generate(self, prompts: list[str], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
         options, documents = self._call_options(stop, kwargs)
         if not self.streaming and len(prompts) > 1:  # all at once: the engine decodes them together
-            results = self.engine.generate_batch(prompts, [documents] * len(prompts), batch_size=len(prompts),
-                                                 **options)
+            results = self.engine.generate_batch(
+                prompts, [documents] * len(prompts), batch_size=len(prompts), **options
+            )
             return self._llm_result([self._generation(r) for r in results])
         return self._llm_result([self._one(p, options, documents, run_manager) for p in prompts])
 
-    async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
         options, documents = self._call_options(stop, kwargs)
         if self.streaming:
             generations = []
@@ -86,8 +101,9 @@ class SnapKVLLM(EngineFields, BaseLLM):
             return GenerationChunk(text=item)
         return GenerationChunk(text="", generation_info=self._generation(item).generation_info)
 
-    def _chunks(self, prompt: str, options: dict, documents: list | None,
-                run_manager: CallbackManagerForLLMRun | None) -> Iterator[GenerationChunk]:
+    def _chunks(
+        self, prompt: str, options: dict, documents: list | None, run_manager: CallbackManagerForLLMRun | None
+    ) -> Iterator[GenerationChunk]:
         with closing(self.engine.stream_result(prompt, documents, **options)) as items:
             for item in items:
                 chunk = self._chunk(item)
@@ -95,14 +111,23 @@ class SnapKVLLM(EngineFields, BaseLLM):
                     run_manager.on_llm_new_token(item, chunk=chunk)
                 yield chunk
 
-    def _stream(self, prompt: str, stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
         options, documents = self._call_options(stop, kwargs)
         yield from self._chunks(prompt, options, documents, run_manager)
 
-    async def _astream(self, prompt: str, stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[GenerationChunk]:
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
         options, documents = self._call_options(stop, kwargs)
         async for item in self.engine.astream_result(prompt, documents, **options):
             chunk = self._chunk(item)

@@ -19,6 +19,7 @@ from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
+
 from snapkv_rag.request.tools import check_tool_choice, check_tools
 
 METHODS = ("json_schema", "json_mode", "function_calling")
@@ -43,8 +44,14 @@ def ai_message(result: Any, expects_call: bool, **fields: Any) -> AIMessage:
     calls = [tool_call(name=c["name"], args=c["arguments"], id=c["id"]) for c in result.tool_calls]
     if calls:
         return AIMessage(content="", tool_calls=calls, **fields)
-    invalid = [invalid_tool_call(name=None, args=result.text, id=None,
-                                 error=f"the call did not complete (finish_reason {result.finish_reason!r})")]
+    invalid = [
+        invalid_tool_call(
+            name=None,
+            args=result.text,
+            id=None,
+            error=f"the call did not complete (finish_reason {result.finish_reason!r})",
+        )
+    ]
     return AIMessage(content=result.text, invalid_tool_calls=invalid if expects_call else [], **fields)
 
 
@@ -52,9 +59,13 @@ def call_chunk(result: Any) -> AIMessageChunk | None:
     """The streamed tool call, as one chunk at the end of the stream (``None`` without a call)."""
     if not result.tool_calls:
         return None
-    return AIMessageChunk(content="", tool_call_chunks=[
-        tool_call_chunk(name=c["name"], args=json.dumps(c["arguments"], ensure_ascii=False), id=c["id"], index=i)
-        for i, c in enumerate(result.tool_calls)])
+    return AIMessageChunk(
+        content="",
+        tool_call_chunks=[
+            tool_call_chunk(name=c["name"], args=json.dumps(c["arguments"], ensure_ascii=False), id=c["id"], index=i)
+            for i, c in enumerate(result.tool_calls)
+        ],
+    )
 
 
 def structured_runnable(model: Any, schema: Any, method: str, include_raw: bool, kwargs: dict) -> Runnable:
@@ -72,8 +83,11 @@ def structured_runnable(model: Any, schema: Any, method: str, include_raw: bool,
         tools, _ = engine_tools([schema], None)
         name = tools[0]["function"]["name"]
         llm = model.bind_tools([schema], tool_choice=name, **traced)
-        parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
-                            else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        parser: Runnable = (
+            PydanticToolsParser(tools=[schema], first_tool_only=True)
+            if pydantic
+            else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+        )
     else:
         response_format = {"type": "json_object"} if json_schema is None else json_schema
         llm = model.bind(response_format=response_format, **traced)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.query_engine import BaseQueryEngine
+
 from llama_index.llms.snapkv import SnapKVDocumentsQueryEngine, SnapKVLLM
 from snapkv_rag import KeyNormConfig
 
-TEXTS = [" ".join(f"The Eiffel Tower is in Paris, note {i}." for i in range(30)),
-         " ".join(f"Mount Fuji is in Japan, note {i}." for i in range(30))]
+TEXTS = [
+    " ".join(f"The Eiffel Tower is in Paris, note {i}." for i in range(30)),
+    " ".join(f"Mount Fuji is in Japan, note {i}." for i in range(30)),
+]
 QUESTIONS = ["Where is the Eiffel Tower?", "Where is Mount Fuji?"]
 
 

@@ -10,12 +10,16 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.query_engine import CitationQueryEngine
 from llama_index.core.query_engine.citation_query_engine import CITATION_QA_TEMPLATE, CITATION_REFINE_TEMPLATE
+
 from llama_index.llms.snapkv import SnapKVLLM
 from llama_index.llms.snapkv.citations import split_sources
 from snapkv_rag import parse_citations
 
-TEXTS = ["The Eiffel Tower is in Paris, France.", "Mount Fuji is the highest mountain in Japan.",
-         "The Colosseum is in Rome, Italy."]
+TEXTS = [
+    "The Eiffel Tower is in Paris, France.",
+    "Mount Fuji is the highest mountain in Japan.",
+    "The Colosseum is in Rome, Italy.",
+]
 
 
 @pytest.fixture
@@ -77,8 +81,10 @@ def test_citation_query_engine_sources_are_the_engine_documents(llm, tiny_engine
     monkeypatch.setattr(tiny_engine, "chat", spy)
     engine = CitationQueryEngine.from_args(index(), llm=llm, similarity_top_k=3)
     response = engine.query("Where is the Colosseum?")
-    sources = [n.node.get_content().removeprefix(f"Source {i}:\n").strip()
-               for i, n in enumerate(response.source_nodes, start=1)]
+    sources = [
+        n.node.get_content().removeprefix(f"Source {i}:\n").strip()
+        for i, n in enumerate(response.source_nodes, start=1)
+    ]
     assert seen["question"] == "Where is the Colosseum?"
     assert seen["documents"] == sources and sorted(sources) == sorted(TEXTS)
 
@@ -110,8 +116,10 @@ async def test_concurrent_async_queries_keep_their_own_figures(tiny_engine):
 
     small = SnapKVLLM(engine=tiny_engine, max_new_tokens=4, snapkv=SnapKVConfig(max_capacity_prompt=40, window_size=8))
     full = SnapKVLLM(engine=tiny_engine, max_new_tokens=4, snapkv=False)
-    a, b = await asyncio.gather(index().as_query_engine(llm=small).aquery("Where is the Colosseum?"),
-                                index().as_query_engine(llm=full).aquery("Where is the Colosseum?"))
+    a, b = await asyncio.gather(
+        index().as_query_engine(llm=small).aquery("Where is the Colosseum?"),
+        index().as_query_engine(llm=full).aquery("Where is the Colosseum?"),
+    )
     assert a.metadata["snapkv"]["compression"]["method"] == "snapkv"
     assert b.metadata["snapkv"]["compression"]["method"] == "full"
 
@@ -143,7 +151,8 @@ def test_citations_reported_are_source_numbers(real_engine):
     get_dispatcher().add_event_handler(Capture())
     llm = SnapKVLLM(engine=real_engine, max_new_tokens=24)
     response = CitationQueryEngine.from_args(index(), llm=llm, similarity_top_k=3).query(
-        "What is the highest mountain in Japan?")
+        "What is the highest mountain in Japan?"
+    )
     reported = responses[-1].additional_kwargs["citations"]
     assert str(response).strip() and "Fuji" in str(response)
     assert reported == parse_citations(str(response), len(response.source_nodes))

@@ -2,7 +2,6 @@
 function calling, with real LlamaIndex objects. The tiny model has random weights: it could not
 write valid JSON by being asked, so every valid object here comes from the constrained decoding."""
 
-
 import json
 from typing import Literal
 
@@ -12,9 +11,10 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.program.utils import FlexibleModel
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
+from pydantic import BaseModel, Field
+
 from llama_index.llms.snapkv import SnapKVLLM
 from llama_index.llms.snapkv.structured import to_engine_messages
-from pydantic import BaseModel, Field
 
 PROMPT = PromptTemplate("Which city is the Eiffel Tower in? {hint}")
 
@@ -77,15 +77,23 @@ def test_function_calling_llm_calls_the_tool_and_reads_the_result_back(llm):
     assert selection.tool_name == "add" and set(selection.tool_kwargs) == {"a", "b"}
     assert all(isinstance(v, int) for v in selection.tool_kwargs.values())
     assert isinstance(response.message.blocks[0], ToolCallBlock)
-    assert json.loads(response.message.additional_kwargs["tool_calls"][0]["function"]["arguments"]) \
+    assert (
+        json.loads(response.message.additional_kwargs["tool_calls"][0]["function"]["arguments"])
         == selection.tool_kwargs
+    )
 
     result = llm.predict_and_call([tool], user_msg="What is 2 + 3?")  # the tool runs on the call
     assert result.response == str(add(**selection.tool_kwargs))
 
-    history = [ChatMessage(role=MessageRole.USER, content="What is 2 + 3?"), response.message,
-               ChatMessage(role=MessageRole.TOOL, content=result.response,
-                           additional_kwargs={"tool_call_id": selection.tool_id, "name": "add"})]
+    history = [
+        ChatMessage(role=MessageRole.USER, content="What is 2 + 3?"),
+        response.message,
+        ChatMessage(
+            role=MessageRole.TOOL,
+            content=result.response,
+            additional_kwargs={"tool_call_id": selection.tool_id, "name": "add"},
+        ),
+    ]
     rendered = llm.engine.request(to_engine_messages(history), tools=[tool.metadata.to_openai_tool()]).text
     assert f"Tool result (add, {selection.tool_id}): {result.response}" in rendered
     answer = llm.chat_with_tools([tool], chat_history=history)  # after the result: a text answer

@@ -16,7 +16,10 @@ chat_call = deps.admitted_call(protocol.parse_chat)
 
 
 @router.post(ENDPOINT)
-async def chat_completions(request: Request, call: Annotated[Call, Depends(chat_call)],
-                           ticket: Annotated[Ticket, Depends(deps.admission)],
-                           llm: Annotated[Any, Depends(deps.engine)]) -> Response:
+async def chat_completions(
+    request: Request,
+    call: Annotated[Call, Depends(chat_call)],
+    ticket: Annotated[Ticket, Depends(deps.admission)],
+    llm: Annotated[Any, Depends(deps.engine)],
+) -> Response:
     return await answers.answer(request, llm, call, ticket, ENDPOINT)

@@ -16,7 +16,10 @@ completion_call = deps.admitted_call(protocol.parse_completion)
 
 
 @router.post(ENDPOINT)
-async def completions(request: Request, call: Annotated[Call, Depends(completion_call)],
-                      ticket: Annotated[Ticket, Depends(deps.admission)],
-                      llm: Annotated[Any, Depends(deps.engine)]) -> Response:
+async def completions(
+    request: Request,
+    call: Annotated[Call, Depends(completion_call)],
+    ticket: Annotated[Ticket, Depends(deps.admission)],
+    llm: Annotated[Any, Depends(deps.engine)],
+) -> Response:
     return await answers.answer(request, llm, call, ticket, ENDPOINT)

@@ -11,7 +11,18 @@ router = APIRouter()
 
 
 @router.get("/v1/models")
-async def models(settings: Annotated[ServerSettings, Depends(deps.server_settings)],
-                 llm: Annotated[Any, Depends(deps.engine)]):
-    return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                        "owned_by": "snapkv-rag", "max_model_len": llm.context_window}]}
+async def models(
+    settings: Annotated[ServerSettings, Depends(deps.server_settings)], llm: Annotated[Any, Depends(deps.engine)]
+):
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": settings.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "snapkv-rag",
+                "max_model_len": llm.context_window,
+            }
+        ],
+    }

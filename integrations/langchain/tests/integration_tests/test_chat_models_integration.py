@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 from langchain_core.language_models import BaseChatModel
-from langchain_snapkv import ChatSnapKV
 from langchain_tests.integration_tests import ChatModelIntegrationTests
+
+from langchain_snapkv import ChatSnapKV
 
 pytestmark = pytest.mark.model
 
@@ -25,7 +26,11 @@ class TestChatSnapKVIntegration(ChatModelIntegrationTests):
     def model(self, request) -> BaseChatModel:
         """Short answers keep the suite fast; a JSON answer cut short would not parse, so the
         tool-calling and structured-output tests decode up to 96 tokens."""
-        params = {**self.standard_chat_model_params, **self.chat_model_params, **(getattr(request, "param", None) or {})}
+        params = {
+            **self.standard_chat_model_params,
+            **self.chat_model_params,
+            **(getattr(request, "param", None) or {}),
+        }
         if any(word in request.node.name for word in JSON_TESTS):
             params["max_tokens"] = 96
         return self.chat_model_class(**params)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import pytest
 from langchain_core.documents import Document
+
 from langchain_snapkv import ChatSnapKV
 
 pytestmark = pytest.mark.model
 
-DOCS = [Document(page_content="The Eiffel Tower is in Paris, France.", metadata={"title": "Eiffel Tower"}),
-        Document(page_content="Mount Fuji is the highest mountain in Japan.", metadata={"title": "Mount Fuji"}),
-        Document(page_content="The Colosseum is in Rome, Italy.", metadata={"title": "Colosseum"})]
+DOCS = [
+    Document(page_content="The Eiffel Tower is in Paris, France.", metadata={"title": "Eiffel Tower"}),
+    Document(page_content="Mount Fuji is the highest mountain in Japan.", metadata={"title": "Mount Fuji"}),
+    Document(page_content="The Colosseum is in Rome, Italy.", metadata={"title": "Colosseum"}),
+]
 
 
 def test_cited_documents_are_the_numbered_ones(real_engine):

@@ -8,10 +8,13 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.messages import FunctionMessage, HumanMessage
+
 from langchain_snapkv import ChatSnapKV, SnapKVLLM, documents_message
 
-DOCS = [Document(page_content="Paris is the capital of France.", metadata={"title": "Paris"}, id="p"),
-        Document(page_content="Rome is the capital of Italy.", metadata={"title": "Rome"}, id="r")]
+DOCS = [
+    Document(page_content="Paris is the capital of France.", metadata={"title": "Paris"}, id="p"),
+    Document(page_content="Rome is the capital of Italy.", metadata={"title": "Rome"}, id="r"),
+]
 
 
 @pytest.fixture
@@ -36,14 +39,16 @@ def test_stream_and_callbacks_match_invoke(chat):
     expected = chat.invoke("Hello")
     assert "".join(c.content for c in chat.stream("Hello")) == expected.content
     handler = Tokens()
-    streamed = ChatSnapKV(engine=chat.engine, max_new_tokens=8, streaming=True).invoke("Hello", config={"callbacks": [handler]})
+    streamed = ChatSnapKV(engine=chat.engine, max_new_tokens=8, streaming=True).invoke(
+        "Hello", config={"callbacks": [handler]}
+    )
     assert "".join(handler.tokens) == streamed.content == expected.content
     assert streamed.usage_metadata["output_tokens"] == expected.usage_metadata["output_tokens"]
 
 
 def test_stop_sequence_cuts_the_text(chat):
     text = chat.invoke("Hello", max_new_tokens=12).content
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = chat.invoke("Hello", max_new_tokens=12, stop=[stop]).content
     assert text.startswith(cut) and stop not in cut
 
@@ -86,14 +91,17 @@ def test_early_stop_of_a_stream_releases_the_engine(chat):
     assert chat.invoke("Hello").content
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"documents": "one string"}, "wrap it in a list"),
-    ({"documents": [42]}, r"documents\[0\]: expected a LangChain Document"),
-    ({"model": "other"}, "per-call model override"),
-    ({"tools": "add"}, "tools: expected a list"),
-    ({"tool_choice": "any"}, "tool_choice: given without tools"),
-    ({"bogus": 1}, "unexpected option"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"documents": "one string"}, "wrap it in a list"),
+        ({"documents": [42]}, r"documents\[0\]: expected a LangChain Document"),
+        ({"model": "other"}, "per-call model override"),
+        ({"tools": "add"}, "tools: expected a list"),
+        ({"tool_choice": "any"}, "tool_choice: given without tools"),
+        ({"bogus": 1}, "unexpected option"),
+    ],
+)
 def test_bad_options_name_the_problem(chat, bad, message):
     with pytest.raises((TypeError, ValueError), match=message):
         chat.invoke("Hello", **bad)

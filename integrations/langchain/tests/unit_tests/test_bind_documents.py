@@ -6,13 +6,22 @@ from __future__ import annotations
 import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import HumanMessage, SystemMessage
+
 from langchain_snapkv import ChatSnapKV
 from snapkv_rag import KeyNormConfig, SnapKVConfig
 
-DOCS = [Document(page_content=" ".join(f"Paris is the capital of France, fact {i}." for i in range(30)),
-                 metadata={"title": "Paris"}, id="p"),
-        Document(page_content=" ".join(f"Rome is the capital of Italy, fact {i}." for i in range(30)),
-                 metadata={"title": "Rome"}, id="r")]
+DOCS = [
+    Document(
+        page_content=" ".join(f"Paris is the capital of France, fact {i}." for i in range(30)),
+        metadata={"title": "Paris"},
+        id="p",
+    ),
+    Document(
+        page_content=" ".join(f"Rome is the capital of Italy, fact {i}." for i in range(30)),
+        metadata={"title": "Rome"},
+        id="r",
+    ),
+]
 QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?"]
 
 
@@ -29,8 +38,10 @@ def test_bound_documents_are_indexed_once_and_answer_like_the_engine(tiny_engine
     assert after.stored - before.stored == 1 and after.hits - before.hits == 7
     meta = messages[0].response_metadata
     assert meta["compression"]["method"] == "keynorm" and meta["usage"]["prompt_tokens"] > handle.prompt_tokens
-    assert messages[0].usage_metadata["input_tokens"] == chat.invoke(QUESTIONS[0], documents=DOCS).usage_metadata[
-        "input_tokens"]
+    assert (
+        messages[0].usage_metadata["input_tokens"]
+        == chat.invoke(QUESTIONS[0], documents=DOCS).usage_metadata["input_tokens"]
+    )
 
 
 def test_keeping_everything_answers_as_the_unbound_model(tiny_engine):

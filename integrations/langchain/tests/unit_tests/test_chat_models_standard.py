@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from langchain_snapkv import ChatSnapKV
 from langchain_tests.unit_tests import ChatModelUnitTests
+
+from langchain_snapkv import ChatSnapKV
 
 
 class TestChatSnapKVUnit(ChatModelUnitTests):

@@ -8,6 +8,7 @@ import gc
 import time
 
 import pytest
+
 from langchain_snapkv import ChatSnapKV
 from snapkv_rag.frameworks import shared as adapters
 from snapkv_rag.runtime import attention

@@ -4,15 +4,16 @@ constrained decoding; and tool messages fed back reach the prompt."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
+from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
+
 from langchain_snapkv import ChatSnapKV
 from langchain_snapkv.chat_models import to_engine_messages
-from pydantic import BaseModel, Field
-from typing_extensions import Annotated, TypedDict
 
 
 class Verdict(BaseModel):
@@ -115,13 +116,16 @@ def test_a_call_cut_short_is_an_invalid_tool_call(tiny_engine):
     assert "did not complete" in message.invalid_tool_calls[0]["error"]
 
 
-@pytest.mark.parametrize("call, error", [
-    (lambda c: c.bind_tools([add], tool_choice="subtract"), "tool_choice: expected one of"),
-    (lambda c: c.bind_tools([add, get_weather], tool_choice=True), "tool_choice: True needs exactly one tool"),
-    (lambda c: c.with_structured_output(Verdict, method="xml"), "method: expected one of"),
-    (lambda c: c.with_structured_output(None), "schema: required with method='json_schema'"),
-    (lambda c: c.with_structured_output(Verdict, bogus=1), "unexpected argument"),
-])
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda c: c.bind_tools([add], tool_choice="subtract"), "tool_choice: expected one of"),
+        (lambda c: c.bind_tools([add, get_weather], tool_choice=True), "tool_choice: True needs exactly one tool"),
+        (lambda c: c.with_structured_output(Verdict, method="xml"), "method: expected one of"),
+        (lambda c: c.with_structured_output(None), "schema: required with method='json_schema'"),
+        (lambda c: c.with_structured_output(Verdict, bogus=1), "unexpected argument"),
+    ],
+)
 def test_bad_arguments_are_named(chat, call, error):
     with pytest.raises((TypeError, ValueError), match=error):
         call(chat)

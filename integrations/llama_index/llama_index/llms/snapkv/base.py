@@ -21,6 +21,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate
 from pydantic import BaseModel, Field, model_validator
+
 from snapkv_rag import GenerationResult
 from snapkv_rag.frameworks.fields import EngineSpec
 from snapkv_rag.frameworks.shared import CALL_OPTIONS, call_options, iterate_in_thread, result_metadata
@@ -75,15 +76,22 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        return LLMMetadata(context_window=self.engine.context_window,
-                           num_output=self.max_new_tokens or self.engine.max_new_tokens,
-                           is_chat_model=True, is_function_calling_model=True, model_name=self.engine.model_name)
+        return LLMMetadata(
+            context_window=self.engine.context_window,
+            num_output=self.max_new_tokens or self.engine.max_new_tokens,
+            is_chat_model=True,
+            is_function_calling_model=True,
+            model_name=self.engine.model_name,
+        )
 
     # ------------------------------------------------------------------ requests
     def _request(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> dict[str, Any]:
         fields = {name: getattr(self, name) for name in CALL_OPTIONS}
-        options = call_options(fields, {k: v for k, v in kwargs.items()
-                                        if k not in ("documents", "formatted", *_ENGINE_ONLY)}, ("documents",))
+        options = call_options(
+            fields,
+            {k: v for k, v in kwargs.items() if k not in ("documents", "formatted", *_ENGINE_ONLY)},
+            ("documents",),
+        )
         options.update({k: kwargs[k] for k in _ENGINE_ONLY if kwargs.get(k) is not None})
         documents = kwargs.get("documents")
         if documents is None and self.parse_sources and messages and messages[-1]["role"] == "user":
@@ -106,8 +114,11 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
         return CompletionResponse(text=result.text, raw=result.to_dict(), additional_kwargs=self._details(result))
 
     def _chat_response(self, result: GenerationResult) -> ChatResponse:
-        return ChatResponse(message=structured.assistant_message(result.text, result.tool_calls),
-                            raw=result.to_dict(), additional_kwargs=self._details(result))
+        return ChatResponse(
+            message=structured.assistant_message(result.text, result.tool_calls),
+            raw=result.to_dict(),
+            additional_kwargs=self._details(result),
+        )
 
     def _pieces(self, request: dict[str, Any]) -> Iterator[str | GenerationResult]:
         request = dict(request)
@@ -136,6 +147,7 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
                 for item in items:
                     text, response = self._completion_chunk(text, item)
                     yield response
+
         return gen()
 
     @llm_completion_callback()
@@ -144,8 +156,7 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
         return self._completion(await self.engine.achat(**request))
 
     @llm_completion_callback()
-    async def astream_complete(self, prompt: str, formatted: bool = False,
-                               **kwargs: Any) -> CompletionResponseAsyncGen:
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         request = self._request(self._completion_messages(prompt, formatted), kwargs)
 
         async def gen() -> CompletionResponseAsyncGen:
@@ -153,6 +164,7 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
             async for item in iterate_in_thread(lambda: self._pieces(request)):
                 text, response = self._completion_chunk(text, item)
                 yield response
+
         return gen()
 
     # ------------------------------------------------------------------ chat
@@ -170,6 +182,7 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
             with closing(self._pieces(request)) as items:
                 for item in items:
                     yield self._chat_chunk(text := text + item if isinstance(item, str) else text, item)
+
         return gen()
 
     @llm_chat_callback()
@@ -185,35 +198,60 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
             text = ""
             async for item in iterate_in_thread(lambda: self._pieces(request)):
                 yield self._chat_chunk(text := text + item if isinstance(item, str) else text, item)
+
         return gen()
 
     def _chat_chunk(self, text: str, item: str | GenerationResult) -> ChatResponse:
         if isinstance(item, str):
             return ChatResponse(message=structured.assistant_message(text, []), delta=item)
-        return ChatResponse(message=structured.assistant_message(text, item.tool_calls), delta="",
-                            raw=item.to_dict(), additional_kwargs=self._details(item))
+        return ChatResponse(
+            message=structured.assistant_message(text, item.tool_calls),
+            delta="",
+            raw=item.to_dict(),
+            additional_kwargs=self._details(item),
+        )
 
     # ------------------------------------------------------------------ structured output
-    def _structured_request(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
-                            llm_kwargs: dict[str, Any] | None, prompt_args: dict[str, Any]) -> dict[str, Any]:
+    def _structured_request(
+        self,
+        output_cls: type[BaseModel],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None,
+        prompt_args: dict[str, Any],
+    ) -> dict[str, Any]:
         structured.check_output_cls(output_cls)
         messages = to_engine_messages(self._get_messages(prompt, **prompt_args))
         return self._request(messages, {**(llm_kwargs or {}), "response_format": output_cls})
 
-    def structured_predict(self, output_cls: type[Model], prompt: BasePromptTemplate,
-                           llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Model:
+    def structured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Model:
         """``output_cls`` from the prompt, decoded under its JSON schema (always valid JSON of it)."""
         result = self.engine.chat(**self._structured_request(output_cls, prompt, llm_kwargs, prompt_args))
         return output_cls.model_validate_json(result.text)
 
-    async def astructured_predict(self, output_cls: type[Model], prompt: BasePromptTemplate,
-                                  llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Model:
+    async def astructured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Model:
         request = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
         result = await self.engine.achat(**request)
         return output_cls.model_validate_json(result.text)
 
-    def stream_structured_predict(self, output_cls: type[Model], prompt: BasePromptTemplate,
-                                  llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Iterator[Any]:
+    def stream_structured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Iterator[Any]:
         """Partial objects as the JSON is decoded (flexible copies of ``output_cls``), then the
         validated ``output_cls``."""
         request = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
@@ -221,11 +259,16 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
         def pieces() -> Iterator[str]:
             with closing(self._pieces(request)) as items:
                 yield from (item for item in items if isinstance(item, str))
+
         return structured.partial_objects(output_cls, pieces())
 
-    async def astream_structured_predict(self, output_cls: type[Model], prompt: BasePromptTemplate,
-                                         llm_kwargs: dict[str, Any] | None = None,
-                                         **prompt_args: Any) -> AsyncIterator[Any]:
+    async def astream_structured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> AsyncIterator[Any]:
         request = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
 
         def objects() -> Iterator[Any]:
@@ -235,13 +278,20 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
         async def gen() -> AsyncIterator[Any]:
             async for item in iterate_in_thread(objects):
                 yield item
+
         return gen()
 
     # ------------------------------------------------------------------ function calling
-    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
-                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
-                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
-                                 **kwargs: Any) -> dict[str, Any]:
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
         """``chat`` arguments for a tool call: one call per response (``allow_parallel_tool_calls``
         makes no difference), forced with ``tool_required`` or ``tool_choice``."""
         messages = list(chat_history or [])
@@ -250,6 +300,7 @@ class SnapKVLLM(EngineSpec, FunctionCallingLLM):
         tool_choice = kwargs.pop("tool_choice", "required" if tool_required else None)
         return {"messages": messages, "tools": structured.engine_tools(tools), "tool_choice": tool_choice, **kwargs}
 
-    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
-                                     **kwargs: Any) -> list[ToolSelection]:
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
         return structured.tool_selections(response.message, error_on_no_tool_call)

@@ -22,7 +22,7 @@ def split_sources(prompt: str) -> tuple[list[str], str] | None:
     are not numbered 1..N in order.
     """
     match = _LAYOUT.search(prompt)
-    if match is None or "existing answer" in prompt[:match.start()]:
+    if match is None or "existing answer" in prompt[: match.start()]:
         return None
     parts = _HEADER.split(match["context"])
     numbers, texts = [int(n) for n in parts[1::2]], [t.strip() for t in parts[2::2]]

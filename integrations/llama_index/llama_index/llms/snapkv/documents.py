@@ -18,6 +18,7 @@ from llama_index.core.base.response.schema import Response
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import BaseNode, NodeWithScore
 from pydantic import Field
+
 from snapkv_rag import Document
 
 from .base import SnapKVLLM
@@ -34,8 +35,9 @@ class SnapKVDocumentsQueryEngine(CustomQueryEngine):
     @classmethod
     def from_nodes(cls, llm: SnapKVLLM, nodes: Sequence[BaseNode], method: Any = 0.5) -> SnapKVDocumentsQueryEngine:
         nodes = list(nodes)
-        documents = [Document(text=node.get_content(), title=node.metadata.get("title"), id=node.node_id)
-                     for node in nodes]
+        documents = [
+            Document(text=node.get_content(), title=node.metadata.get("title"), id=node.node_id) for node in nodes
+        ]
         return cls(llm=llm, nodes=nodes, handle=llm.engine.index_documents(documents, method))
 
     @classmethod

@@ -30,7 +30,7 @@ from llama_index.core.instrumentation.events.query import QueryEndEvent, QuerySt
 KEYS = ("citations", "compression", "timings", "usage", "finish_reason", "model_name")
 _open_queries: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar("snapkv_queries", default=())
 _registered = threading.Lock()
-_handler: "ResponseMetadataHandler | None" = None
+_handler: ResponseMetadataHandler | None = None
 
 
 class ResponseMetadataHandler(BaseEventHandler):
@@ -58,8 +58,11 @@ class ResponseMetadataHandler(BaseEventHandler):
             metadata = getattr(event.response, "metadata", None)
             if calls and (metadata is None or isinstance(metadata, dict)):
                 last = calls[-1]
-                figures = {"citations": last.get("citations", []), "compression": last.get("compression"),
-                           "calls": calls}
+                figures = {
+                    "citations": last.get("citations", []),
+                    "compression": last.get("compression"),
+                    "calls": calls,
+                }
                 event.response.metadata = {**(metadata or {}), "snapkv": figures}
 
 

@@ -19,8 +19,12 @@ from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from pydantic import BaseModel
 from pydantic_core import from_json
 
-_ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
-          MessageRole.TOOL: "tool"}
+_ROLES = {
+    MessageRole.SYSTEM: "system",
+    MessageRole.USER: "user",
+    MessageRole.ASSISTANT: "assistant",
+    MessageRole.TOOL: "tool",
+}
 
 
 def check_output_cls(output_cls: Any) -> type[BaseModel]:
@@ -58,8 +62,10 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     converted = []
     for index, message in enumerate(messages):
         if message.role not in _ROLES:
-            raise ValueError(f"messages[{index}]: role {message.role.value!r} is not supported; "
-                             "SnapKVLLM takes system, user, assistant and tool messages")
+            raise ValueError(
+                f"messages[{index}]: role {message.role.value!r} is not supported; "
+                "SnapKVLLM takes system, user, assistant and tool messages"
+            )
         texts, calls = [], []
         for block in message.blocks:
             if isinstance(block, TextBlock):
@@ -67,15 +73,22 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             elif isinstance(block, ToolCallBlock) and message.role == MessageRole.ASSISTANT:
                 calls.append({"id": block.tool_call_id, "name": block.tool_name, "arguments": block.tool_kwargs})
             else:
-                raise ValueError(f"messages[{index}]: {type(block).__name__} content is not supported (text, and "
-                                 "tool calls in assistant messages)")
+                raise ValueError(
+                    f"messages[{index}]: {type(block).__name__} content is not supported (text, and "
+                    "tool calls in assistant messages)"
+                )
         item: dict[str, Any] = {"role": _ROLES[message.role], "content": "".join(texts)}
         calls = calls or message.additional_kwargs.get("tool_calls") or []
         if calls and message.role == MessageRole.ASSISTANT:
             item["tool_calls"] = calls
         if message.role == MessageRole.TOOL:
-            item.update({k: message.additional_kwargs[k] for k in ("tool_call_id", "name")
-                         if message.additional_kwargs.get(k) is not None})
+            item.update(
+                {
+                    k: message.additional_kwargs[k]
+                    for k in ("tool_call_id", "name")
+                    if message.additional_kwargs.get(k) is not None
+                }
+            )
         converted.append(item)
     return converted
 
@@ -85,16 +98,23 @@ def assistant_message(text: str, tool_calls: list[dict]) -> ChatMessage:
     if not tool_calls:
         return ChatMessage(role=MessageRole.ASSISTANT, content=text)
     blocks = [ToolCallBlock(tool_call_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]) for c in tool_calls]
-    openai = [{"id": c["id"], "type": "function",
-               "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-              for c in tool_calls]
+    openai = [
+        {
+            "id": c["id"],
+            "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+        }
+        for c in tool_calls
+    ]
     return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs={"tool_calls": openai})
 
 
 def tool_selections(message: ChatMessage, error_on_no_tool_call: bool) -> list[ToolSelection]:
-    selections = [ToolSelection(tool_id=b.tool_call_id or "", tool_name=b.tool_name, tool_kwargs=b.tool_kwargs)
-                  for b in message.blocks if isinstance(b, ToolCallBlock)]
+    selections = [
+        ToolSelection(tool_id=b.tool_call_id or "", tool_name=b.tool_name, tool_kwargs=b.tool_kwargs)
+        for b in message.blocks
+        if isinstance(b, ToolCallBlock)
+    ]
     if not selections and error_on_no_tool_call:
         raise ValueError(f"expected a tool call in the response, got text: {message.content!r}")
     return selections
-
