@@ -52,7 +52,7 @@ OPTIONS = (
 
 
 @dataclass
-class Call:
+class ResolvedCall:
     """One call resolved in one place (:meth:`SnapKVLLM._resolve`), before anything runs: the prompt
     (documents, chat template, tools, output format), its sampling and stop strings, the method bound
     to this prompt (budget in tokens, document spans; a stored document set's own) and the tool plan.
@@ -394,19 +394,19 @@ class SnapKVLLM:
         text = isinstance(question_or_messages, str)
         return [{"role": "user", "content": check_question(question_or_messages)}] if text else question_or_messages
 
-    def _resolve(self, question_or_messages, documents, options: dict) -> Call:
-        """The call's arguments as one :class:`Call`: the request (tools rendered), then its options
+    def _resolve(self, question_or_messages, documents, options: dict) -> ResolvedCall:
+        """The call's arguments as one :class:`ResolvedCall`: the request (tools rendered), then its options
         checked against it, then the method bound to it. Bad input raises here, before any work."""
         request, options, plan = self._tool_request(question_or_messages, documents, options)
         return self._bind(request, *self._options(options, request), plan)
 
-    def _bind(self, request: Request, sampling: SamplingOptions, stop: list[str], config, plan=None) -> Call:
+    def _bind(self, request: Request, sampling: SamplingOptions, stop: list[str], config, plan=None) -> ResolvedCall:
         """A checked request with its method bound to it: a budget share becomes this prompt's tokens,
         a document-aware method gets this prompt's document spans, a stored document set runs its own."""
         config = self.doc_store.used(request.stored) if request.stored is not None else config
         if config is not None:
             config = config.for_prompt(len(request.input_ids)).with_spans(request.spans)
-        return Call(request, sampling, stop, config, plan)
+        return ResolvedCall(request, sampling, stop, config, plan)
 
     def _tool_request(self, messages, documents, options: dict) -> tuple[Request, dict, ToolPlan | None]:
         """The request with its tools rendered, the options with the call's ``response_format``."""
@@ -459,11 +459,11 @@ class SnapKVLLM:
                 )
         return sampling, stop, config
 
-    def _submit(self, call: Call, loop=None) -> Ticket:
+    def _submit(self, call: ResolvedCall, loop=None) -> Ticket:
         """Hand one resolved call to the scheduler (prefill, select, decode)."""
         return self.scheduler.submit(call.request, call.sampling, call.stop, call.method, loop)
 
-    def _results(self, call: Call, ticket: Ticket) -> Iterator[str | GenerationResult]:
+    def _results(self, call: ResolvedCall, ticket: Ticket) -> Iterator[str | GenerationResult]:
         """A ticket's pieces (str) as they come, then the :class:`GenerationResult`."""
         try:
             for item in ticket:
