@@ -8,7 +8,6 @@ import contextlib
 import shutil
 import signal
 import tempfile
-import threading
 import time
 
 import httpx
@@ -23,6 +22,7 @@ psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.heavy  # Ray's start-up and two replicas loading: about a minute
 KEY = "loopback-key"
 STOP_BOUND_S = 30
+STARTUP_S = 420  # Ray's start and two replicas loading, on a machine the rest of the suite keeps busy
 WARNING = "Ray components listening beyond loopback"
 
 
@@ -35,18 +35,6 @@ def ray_processes(server: psutil.Process, ray_dir: str) -> list[psutil.Process]:
         if any(ray_dir in part for part in process.info["cmdline"] or []):
             found.add(process)
     return sorted(found, key=lambda p: p.pid)
-
-
-def drain(stream, lines: list[str]) -> threading.Thread:
-    """Read the server's output as it comes (Ray's logs must not fill the pipe and stall it)."""
-
-    def read() -> None:
-        for line in stream:
-            lines.append(line)
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
 
 
 def alive(process: psutil.Process) -> bool:
@@ -63,15 +51,21 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_a_self_started_cluster_listens_on_loopback_answers_and_stops_fast(model_folder, monkeypatch):  # noqa: F811
+def test_a_self_started_cluster_listens_on_loopback_answers_and_stops_fast(model_folder, monkeypatch, tmp_path):  # noqa: F811
     ray_dir = tempfile.mkdtemp(prefix="ray")  # short: Ray's unix sockets live under it
     monkeypatch.setenv("RAY_TMPDIR", ray_dir)
-    process, url = serve(model_folder, "--replicas", "2", "--host", "127.0.0.1", "--api-key", KEY)
-    lines: list[str] = []
-    reader = drain(process.stdout, lines)
+    log = tmp_path / "serve.log"
+
+    def lines() -> list[str]:
+        return log.read_text(errors="replace").splitlines()
+
+    with log.open("w") as output:  # a file: Ray's logs never stall the server on a full pipe
+        process, url = serve(
+            model_folder, "--replicas", "2", "--host", "127.0.0.1", "--api-key", KEY, startup_s=STARTUP_S, output=output
+        )
     processes: list[psutil.Process] = []
     try:
-        wait_for(lambda: any("from 2 Ray Serve replicas" in line for line in lines), 120, "both replicas up")
+        wait_for(lambda: any("from 2 Ray Serve replicas" in line for line in lines()), 120, "both replicas up")
         server = psutil.Process(process.pid)
         processes = ray_processes(server, ray_dir)
         sockets = listening(processes)
@@ -79,7 +73,7 @@ def test_a_self_started_cluster_listens_on_loopback_answers_and_stops_fast(model
         # the listing sees what it should: the server's HTTP port and Ray's own processes
         assert ("ray::ProxyActor", "127.0.0.1", int(url.rsplit(":", 1)[1])) in sockets, sockets
         assert {"gcs_server", "raylet"} <= set(names) and sum(n.startswith("ray::ServeReplica") for n in names) == 2
-        warned = " ".join(line for line in lines if WARNING in line)
+        warned = " ".join(line for line in lines() if WARNING in line)
         exposed = [s for s in sockets if not is_loopback(s[1])]
         assert all(name in warned for name, _, _ in exposed), f"not on loopback, not warned of: {exposed}"
         reply = httpx.post(
@@ -106,7 +100,6 @@ def test_a_self_started_cluster_listens_on_loopback_answers_and_stops_fast(model
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         shutil.rmtree(ray_dir, ignore_errors=True)
-    reader.join(10)
-    output = "".join(lines)
+    output = "\n".join(lines())
     assert "Traceback" not in output and "stopped" in output, output
     print(f"stopped in {stopped_s:.1f} s; sockets: {sockets}")

@@ -32,30 +32,32 @@ def model_folder(tmp_path_factory, tokenizer):
     return folder
 
 
-def serve(folder: Path, *flags: str):
-    """A started server process and its base URL, once /health answers."""
+def serve(folder: Path, *flags: str, startup_s: float = 180, output=subprocess.PIPE):
+    """A started server process and its base URL, once /health answers within ``startup_s``.
+    ``output``: where its stdout and stderr go (a pipe, or a file that no reader has to drain while
+    it starts: a Ray cluster logs a lot on a loaded machine)."""
     port = free_port()
     script = Path(sys.executable).with_name("snapkv-rag")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "snapkv_rag.cli"]
     process = subprocess.Popen(
         [*command, "serve", "--model", str(folder), "--port", str(port), *flags],
-        stdout=subprocess.PIPE,
+        stdout=output,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "SNAPKV_RAG_API_KEY": ""},
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise AssertionError(f"the server exited: {process.stdout.read()}")
+            raise AssertionError(f"the server exited: {process.stdout.read() if process.stdout else ''}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return process, url
         except httpx.TransportError:
             time.sleep(0.2)
     process.kill()
-    raise AssertionError("the server did not start within 180 s")
+    raise AssertionError(f"the server did not start within {startup_s} s")
 
 
 def stream_in_thread(url: str, folder: Path, max_tokens: int, ignore_eos: bool = False):
