@@ -273,30 +273,33 @@ def doc_snapkv_select(
     votes = snapkv_votes(query[..., -window:, :], key_states, attention_mask, **scoring)  # [B, H_kv, L]
     if shared:
         votes, key_states, value_states = votes.mean(dim=1, keepdim=True), key_states[:, :1], value_states[:, :1]
-    heads = votes.shape[1]
     pooled = pool_within(votes[..., positions], doc_of, config.kernel_size, config.pooling)
+    kept = _kept_by_document(votes, pooled, spans, positions, doc_of, fixed, real, capacity)
+    return gather_positions(key_states, kept), gather_positions(value_states, kept), kept
+
+
+def _kept_by_document(votes, pooled, spans, positions, doc_of, fixed, real, capacity: int) -> torch.Tensor:
+    """:func:`doc_snapkv_select`'s kept positions ``[B, H, capacity]``: per row, every ``fixed``
+    position, then each document's share of the rest (by its vote mass) of its best pooled positions,
+    then pads where a padded row is shorter than the budget; in prompt order."""
+    device, heads = votes.device, votes.shape[1]
     # each document's tokens in (score desc, position asc) order, the documents one after another
     order = best_positions(pooled, pooled.shape[-1])
     order = order.gather(-1, doc_of[order].argsort(dim=-1, stable=True))
-    rank = (
-        torch.arange(len(doc_of), device=device)
-        - torch.tensor([0] + [stop - start for start, stop in spans[:-1]], device=device).cumsum(0)[doc_of]
-    )
+    starts = torch.tensor([0] + [stop - start for start, stop in spans[:-1]], device=device).cumsum(0)
+    rank = torch.arange(len(doc_of), device=device) - starts[doc_of]
     rows = []
-    for row in range(b):
+    for row in range(votes.shape[0]):
         outside = torch.nonzero(fixed[row]).flatten().expand(heads, -1)
         mass = torch.zeros(len(spans), device=device).index_add_(0, doc_of, votes[row][:, positions].mean(0))
         shares = share_budget(mass.tolist(), [stop - start for start, stop in spans], capacity - outside.shape[-1])
         chosen = rank < torch.tensor(shares, device=device)[doc_of]  # the first `share` of each document
-        picked = positions[order[row][:, chosen]]
-        kept = torch.cat([outside, picked], dim=-1)
+        kept = torch.cat([outside, positions[order[row][:, chosen]]], dim=-1)
         short = capacity - kept.shape[-1]  # a padded row shorter than the budget: pads fill its slots
         if short > 0:
-            pads = torch.nonzero(~real[row]).flatten()[:short]
-            kept = torch.cat([kept, pads.expand(heads, -1)], dim=-1)
+            kept = torch.cat([kept, torch.nonzero(~real[row]).flatten()[:short].expand(heads, -1)], dim=-1)
         rows.append(kept.sort(dim=-1).values)
-    kept = torch.stack(rows)
-    return gather_positions(key_states, kept), gather_positions(value_states, kept), kept
+    return torch.stack(rows)
 
 
 def key_norm_scores(key_states: torch.Tensor) -> torch.Tensor:

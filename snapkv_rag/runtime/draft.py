@@ -96,9 +96,16 @@ def draft_and_vote(
     guess costs only its share of the pass; without any, there is one pass per drafted token.
     The recurrent layers step copies of the prompt's states; the kept cache gets the states after
     the prompt, not after the draft. Returns the drafted tokens and, per method, its compressed cache."""
-    specs, length = runner.specs, prefix.length
-    cache = tails.with_states(PromptCache(runner.model.config, specs, prefix), prefix.states)
+    cache = tails.with_states(PromptCache(runner.model.config, runner.specs, prefix), prefix.states)
     speculate = speculate and not any(state is not None for state in prefix.states)  # a state can't be rolled back
+    drafted, held, queries = _draft(runner, prefix, cache, first, count, speculate)
+    return drafted, _select_all(runner.specs, prefix, cache, held, queries, methods, len(drafted))
+
+
+def _draft(runner, prefix: Prefix, cache: PromptCache, first: int, count: int, speculate: bool):
+    """The passes of :func:`draft_and_vote`: the drafted tokens, and per attention layer the K/V over
+    the prompt and the kept draft tokens (``held``) and the kept tokens' queries."""
+    specs, length = runner.specs, prefix.length
     queries: list[list[torch.Tensor]] = [[] for _ in specs]  # per layer, the kept draft tokens' queries
     staged: dict[int, tuple] = {}  # per attention layer, its (query, keys, values, vote_keys, scoring) this pass
     held: dict[int, tuple] = {}  # per attention layer, its (keys, values, vote_keys, scoring) over the kept tokens
@@ -116,12 +123,9 @@ def draft_and_vote(
             ids = tokens[fed:]
             if speculate and ids[0] not in runner.eos_ids:
                 ids += guess(prefix.ids, tokens, count - fed - 1, list(reversed(past)))
+            positions = torch.arange(length + fed, length + fed + len(ids), device=runner.device)[None]
             logits = runner.forward(
-                torch.tensor([ids], device=runner.device),
-                None,
-                torch.arange(length + fed, length + fed + len(ids), device=runner.device)[None],
-                cache,
-                at=list(range(len(ids))),
+                torch.tensor([ids], device=runner.device), None, positions, cache, at=list(range(len(ids)))
             )
             predicted = logits[0].argmax(-1).tolist()
             kept = 1  # the first token was predicted by the pass before (or by the prompt)
@@ -136,27 +140,25 @@ def draft_and_vote(
                 layer.prefix, layer.prefix_length = PrefixLayer(keys, values, prefix.layers[i].queries), length + fed
                 held[i] = (keys, values, vote_keys, scoring)
         past.append(tokens[:fed])
+    return tokens[:fed], held, queries
+
+
+def _select_all(specs, prefix: Prefix, cache: PromptCache, held: dict, queries: list, methods, drafted: int):
+    """Every attention layer selected under every method from the prompt's window and the draft's
+    queries (:func:`select_layer`); the kept caches get the states after the prompt, not the draft."""
+    length = prefix.length
     out = {name: [Compressed(m, specs, [None] * len(specs), length)] for name, m in methods.items()}
     for i, (keys, values, vote_keys, scoring) in held.items():  # the window, then the draft
         query = torch.cat([prefix.layers[i].queries, *queries[i]], dim=-2)
         for name, method in methods.items():
+            votes = (query, keys, values, vote_keys, scoring)
             out[name][0].layers[i] = select_layer(
-                method,
-                specs[i],
-                i,
-                len(specs),
-                query,
-                keys,
-                values,
-                vote_keys,
-                scoring,
-                length,
-                min(fed, method.lookahead),
+                method, specs[i], i, len(specs), *votes, length, min(drafted, method.lookahead)
             )
         cache.layers[i].done = True
-    for (kept_cache,) in out.values():  # the states after the prompt, not after the draft
+    for (kept_cache,) in out.values():
         tails.place_states(kept_cache.layers, prefix.states, copies=True)
-    return tokens[:fed], out
+    return out
 
 
 def guess(prompt: Sequence[int], draft: list[int], most: int, past: Sequence[list[int]] = ()) -> list[int]:
