@@ -1,5 +1,5 @@
 """One budget for the whole model (KVzip's ``share="layer"`` and ``share="model"``,
-:class:`~snapkv_rag.config.KVzipConfig`): every prefix position of every layer and KV head is ranked
+:class:`~snapkv_rag.methods.KVzipConfig`): every prefix position of every layer and KV head is ranked
 by its score together, and the best ``total`` of them are kept, where ``total`` is what an even split
 would keep (``sum over layers of H_kv x (capacity - window)``). Layers (and with ``"model"`` heads)
 whose positions score high keep more, the others less, down to none; the window is always kept.
