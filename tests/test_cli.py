@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -199,3 +200,101 @@ def test_ask_answers_with_citations_and_figures(tmp_path):
     result = json.loads(out.stdout)
     assert "fuji" in result["text"].lower()
     assert result["usage"]["prompt_tokens"] > 20 and result["compression"]["method"] == "snapkv"
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (
+            ["--docs", "1"],
+            "--docs 1: the demo bundles 30 passages per question (the gold one and 29 others); give 2 to 30",
+        ),
+        (["--docs", "31"], "--docs 31: the demo bundles 30 passages per question"),
+        (["--question", "no such thing"], "--question 'no such thing': matches none of the bundled questions"),
+        (["--questions", "0"], "--questions 0: must be at least 1"),
+        (["--budget", "16"], "--budget: must be an integer larger than --window 32, got 16"),
+        (["--method", "kvzip", "--kernel", "4"], "--kernel: must be a positive odd integer, got 4"),
+    ],
+)
+def test_demo_usage_errors_name_the_flag_before_any_model_loads(capsys, flags, words):
+    assert main(["demo", *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Loading" not in err
+
+
+def test_demo_question_and_questions_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["demo", "--question", "president", "--questions", "2"])
+    assert stopped.value.code == 2
+    assert "argument --questions: not allowed with argument --question" in capsys.readouterr().err
+
+
+def test_demo_prompts_are_the_evals_nq_prompts():
+    """The bundled passages rebuild, for every --docs N, the prompt the evals build for that NQ
+    question at N documents, gold in the middle; and every passage names its source data set."""
+    pytest.importorskip("rank_bm25")
+    from evals.datasets import nq_examples
+    from snapkv_rag.cli import demo_documents, demo_records
+
+    records = demo_records()
+    assert 1 <= len(records) <= 5
+    sizes = (2, 5, 20, 30)
+    examples = {(e.question_id, e.num_docs): e for e in nq_examples(300, sizes, ["middle"], 0)}  # the script's sample
+    for record in records:
+        assert len(record["distractors"]) == 29
+        assert {d["source"] for d in [record["gold"], *record["distractors"]]} <= {
+            "nq-open",
+            "musique",
+            "hotpotqa",
+            "2wikimultihopqa",
+        }
+        for n in sizes:
+            example = examples[(str(record["nq_open_line"] - 1), n)]
+            docs, gold = demo_documents(record, n)
+            assert example.question == record["question"] and (gold,) == example.gold
+            assert docs == [{"title": d["title"], "text": d["text"]} for d in example.documents]
+
+
+def _figures(stdout: str) -> dict[str, list[str]]:
+    """The demo's table rows: name -> its cells (full cache, compressed, ratio)."""
+    rows = {}
+    for name in ("kept tokens per layer", "KV cache", "decode", "time to first token"):
+        line = next(line for line in stdout.splitlines() if line.strip().startswith(name))
+        rows[name] = [cell for cell in re.split(r"\s{2,}", line.strip()[len(name) :].strip())]
+    return rows
+
+
+def test_demo_on_a_tiny_model_prints_both_caches_and_their_ratios(tmp_path, tiny_model, tokenizer):
+    tiny_model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    args = ["--model", str(tmp_path / "model"), "--device", "cpu", "--docs", "6", "--max-new-tokens", "3"]
+    out = _cli("demo", *args, "--method", "snapkv", "--budget", "40%", "--question", "PRESIDENT")
+    assert out.returncode == 0, out.stderr
+    assert "Q: who is the president of usa right now" in out.stdout and "6 retrieved NQ passages" in out.stdout
+    assert "  full cache " in out.stdout and "  snapkv@40% " in out.stdout and out.stdout.count("cites: ") == 2
+    rows = _figures(out.stdout)
+    full, kept, ratio = rows["kept tokens per layer"]
+    assert int(kept.replace(",", "")) < int(full.replace(",", "")) and ratio == "0.40x"
+    assert rows["KV cache"][2] == "0.40x" and rows["KV cache"][0].endswith("MiB")
+    assert all(re.fullmatch(r"\d+\.\d\dx|-", rows[name][2]) for name in ("decode", "time to first token"))
+    assert "Why" not in out.stdout  # the eval's numbers are said of the default only
+    said = " ".join(out.stdout.split())  # the prose is wrapped
+    assert 'speed gains show on a GPU and with longer prompts: README.md, "Performance"' in said
+    assert "plots/fidelity_vs_budget.png" in said and "snapkv-rag eval --num-docs 20" in said
+
+
+@pytest.mark.model
+def test_demo_default_shows_what_compression_keeps():
+    """``snapkv-rag demo`` as a user first runs it: the embedded model, 20 passages, the full cache
+    against lookahead SnapKV at 50%."""
+    out = _cli("demo", timeout=300)
+    assert out.returncode == 0, out.stderr
+    prompt = int(re.search(r"20 retrieved NQ passages, ([\d,]+) prompt tokens", out.stdout)[1].replace(",", ""))
+    assert prompt > 2000
+    rows = _figures(out.stdout)
+    full, kept, ratio = rows["kept tokens per layer"]
+    assert int(full.replace(",", "")) == prompt and int(kept.replace(",", "")) < prompt and ratio == "0.50x"
+    assert rows["KV cache"][2] == "0.50x"
+    answers = re.findall(r"^  (full cache|lookahead@50%) +'(.*)'", out.stdout, re.M)
+    assert [name for name, _ in answers] == ["full cache", "lookahead@50%"] and all(text for _, text in answers)
+    assert "Why lookahead@50%: " in out.stdout and "0.81" in out.stdout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 from snapkv_testing import capture_caches, filler_documents
 
 from snapkv_rag import SnapKVConfig
-from snapkv_rag.cli import DEMO_FILE
+from snapkv_rag.cli import demo_documents, demo_records
 
 pytestmark = pytest.mark.model
 
@@ -77,7 +76,8 @@ def normalise(text: str) -> str:
 
 
 def test_nq_question_with_gold_among_distractors_is_answered(engine):
-    record = json.loads(DEMO_FILE.read_text(encoding="utf-8").splitlines()[0])
-    result = engine.generate(record["question"], record["documents"], max_new_tokens=32)  # default SnapKV@1024
+    record = next(r for r in demo_records() if "lexington" in r["question"])
+    docs, _ = demo_documents(record, 10)  # the demo's passages: gold [6] among 9 BM25 distractors, 1,146 tokens
+    result = engine.generate(record["question"], docs, max_new_tokens=32)  # default SnapKV@1024
     assert result.compression.prompt_tokens > 1024 and result.compression.kept_tokens == [1024] * 30
     assert any(normalise(answer) in normalise(result.text) for answer in record["answers"]), result.text
