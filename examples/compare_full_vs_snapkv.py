@@ -2,7 +2,7 @@
 
     python examples/compare_full_vs_snapkv.py
 
-For each question: retrieve 8 passages (FAISS, local MiniLM), then answer twice with one
+For each question: retrieve 8 passages (an in-memory vector store, local MiniLM), then answer twice with one
 ``ChatSnapKV`` and the same documents: ``snapkv=False`` (full KV cache) and a 128-token SnapKV
 budget. Prints both answers, the KV tokens kept per layer and decode ms/token.
 """

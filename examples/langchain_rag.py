@@ -1,4 +1,4 @@
-"""LangChain retrieval chain: FAISS over local passages -> ChatSnapKV, answer with cited sources.
+"""LangChain retrieval chain: a vector store over local passages -> ChatSnapKV, answer with cited sources.
 
     python examples/langchain_rag.py
 
@@ -9,9 +9,9 @@ reads it; ``response_metadata["cited_documents"]`` maps the answer's [n] back to
 
 from __future__ import annotations
 
-from langchain_community.vectorstores import FAISS
 from langchain_core.documents import Document
 from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
+from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_huggingface import HuggingFaceEmbeddings
 from rag_data import embedding_model_path, load_passages, load_questions
 
@@ -25,7 +25,7 @@ def build_retriever(k: int = 4):
         Document(page_content=p["text"], metadata={"title": p["title"], "source": p["source"]}, id=p["id"])
         for p in load_passages()
     ]
-    return FAISS.from_documents(documents, embeddings).as_retriever(search_kwargs={"k": k})
+    return InMemoryVectorStore.from_documents(documents, embeddings).as_retriever(search_kwargs={"k": k})
 
 
 def build_chain(chat: ChatSnapKV, retriever):

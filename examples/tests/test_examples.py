@@ -1,4 +1,5 @@
-"""Each example runs offline on the embedded model and prints real results."""
+"""Each example runs offline on the embedded model and prints real results, with no deprecation
+warning from what it uses on the pinned versions (a warning fails the test)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import re
 
 import pytest
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.filterwarnings("error::DeprecationWarning")]
 
 
 def test_langchain_rag(engine, capsys):
