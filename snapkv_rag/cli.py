@@ -388,6 +388,8 @@ def cmd_serve(args) -> int:
             "max_batch": args.max_batch,
             "prefix_cache_bytes": args.prefix_cache_bytes,
             "doc_store_bytes": args.doc_store_bytes,
+            "doc_store_dir": args.doc_store_dir,
+            "doc_store_disk_bytes": args.doc_store_disk_bytes,
         }
         return replicas.run(engine, serve_options.settings(args, key, DEFAULT_MODEL_NAME, config, base), args)
     llm = _engine(
@@ -396,6 +398,8 @@ def cmd_serve(args) -> int:
         max_batch=args.max_batch,
         prefix_cache_bytes=args.prefix_cache_bytes,
         doc_store_bytes=args.doc_store_bytes,
+        doc_store_dir=args.doc_store_dir,
+        doc_store_disk_bytes=args.doc_store_disk_bytes,
     )
     return serve_options.run(llm, serve_options.settings(args, key, llm.model_name, config, base), args)
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .documents import folder as doc_folder
 from .documents import stitch
 from .documents import store as doc_store
 from .kv import prefix_cache
@@ -105,7 +107,9 @@ class SnapKVLLM:
     at most (1: one at a time); ``max_kv_bytes`` bounds their caches (approximately); more requests
     wait in arrival order. ``prefix_cache_bytes`` bounds the document prefix cache (1 GiB, 0: none)
     shared by every caller: a prompt whose instruction + documents were prefilled before prefills only
-    its question; ``doc_store_bytes`` the compressed document sets' store (:meth:`index_documents`).
+    its question; ``doc_store_bytes`` the compressed document sets' store (:meth:`index_documents`),
+    kept in the folder ``doc_store_dir`` too when one is given (read back by a later engine; at most
+    ``doc_store_disk_bytes`` there: :mod:`snapkv_rag.documents.folder`).
     """
 
     def __init__(
@@ -126,6 +130,8 @@ class SnapKVLLM:
         max_kv_bytes: int | None = None,
         doc_store_bytes: int = doc_store.DEFAULT_BYTES,
         prefix_cache_bytes: int = prefix_cache.DEFAULT_BYTES,
+        doc_store_dir: str | os.PathLike | None = None,
+        doc_store_disk_bytes: int = doc_folder.DEFAULT_DISK_BYTES,
     ):
         if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
             raise ValueError(
@@ -165,7 +171,8 @@ class SnapKVLLM:
         eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
         self.prefix_cache = prefix_cache.PrefixCache(prefix_cache_bytes)
-        self.doc_store = doc_store.DocStore(doc_store_bytes)
+        folder = doc_folder.DocFolder(doc_store_dir, doc_store_disk_bytes) if doc_store_dir is not None else None
+        self.doc_store = doc_store.DocStore(doc_store_bytes, folder)
         self.chunk_store = stitch.ChunkStore()  # per-document caches for reuse_documents
         self.runner = Runner(
             self.model,
@@ -180,6 +187,8 @@ class SnapKVLLM:
         self.device = self.runner.device
         self.compile, self.prefill_chunk = compile, prefill_chunk
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch=max_batch, max_kv_bytes=max_kv_bytes)
+        if folder is not None:
+            folder.open(self)  # crashed writes cleaned up, bad files named in the log
 
     def close(self) -> None:
         """Stop the scheduler's worker (requests still running end with an error) and switch the

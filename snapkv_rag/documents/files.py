@@ -12,8 +12,11 @@ SHA-256 of the tensor data. Loading checks all of it: a file from another model,
 tokenizer or library version, an unreadable / truncated file, or data that does not hash to what
 was saved, is refused with a ``ValueError`` that says which.
 
-Saving writes a temporary file beside ``path`` and renames it into place, so a crash never leaves
-half a file. A file that already holds *another* document set (another key) is never replaced
+Saving writes a temporary file beside ``path`` (``.<name>.<pid>.partial``), flushes it to disk and
+renames it into place, then flushes the folder, so a crash (even SIGKILL or a power cut) leaves at
+``path`` either the old complete file or the new complete one, never a torn one; a write that fails
+(a full disk) removes its temporary file, leaves ``path`` as it was and raises an ``OSError`` naming
+``path``. A file that already holds *another* document set (another key) is never replaced
 unless ``overwrite=True`` (``FileExistsError``); saving the same set again rewrites it.
 """
 
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as to_bytes
 from transformers.cache_utils import LinearAttentionLayer
 
 from ..kv import ragged
@@ -151,9 +154,84 @@ def save(llm, entry: Stored, path, overwrite: bool = False) -> None:
         "states": _state_meta(entry),
         "checksum": _checksum(tensors),
     }
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    save_file(tensors, str(partial), metadata={META: json.dumps(meta)})
-    os.replace(partial, path)
+    write_atomically(path, to_bytes(tensors, metadata={META: json.dumps(meta)}))
+
+
+PARTIAL = ".partial"
+CHUNK = 1 << 20
+
+
+def partial_path(path: Path) -> Path:
+    """Where :func:`write_atomically` writes ``path`` before renaming it into place."""
+    return path.with_name(f".{path.name}.{os.getpid()}{PARTIAL}")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` at ``path``, all or nothing (see the module's note on crashes)."""
+    partial = partial_path(path)
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view[:CHUNK]) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(partial, path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise OSError(error.errno, f"path: could not write {path}: {error.strerror or error}") from error
+    try:  # the rename itself outlives a power cut once the folder is flushed
+        folder = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(folder)
+    except OSError:
+        pass
+    finally:
+        os.close(folder)
+
+
+def _check_meta(llm, path: Path, meta) -> dict:
+    """``llm``'s identity, once ``meta`` is a document cache file's made by the same model, dtype,
+    tokenizer and library version (else a ``ValueError`` naming ``path`` and what differs)."""
+    if not isinstance(meta, dict) or meta.get("format") not in READS:
+        raise ValueError(f"path: {path} is not a snapkv-rag document cache file (format {FORMAT})")
+    mine = identity(llm)
+    for field, what in (
+        ("library", "library version"),
+        ("model", "model"),
+        ("model_hash", "model configuration"),
+        ("dtype", "dtype"),
+        ("tokenizer_hash", "tokenizer"),
+    ):
+        if meta.get(field) != mine[field]:
+            raise ValueError(
+                f"path: {path} was made with another {what} ({meta.get(field)!r}; this engine has "
+                f"{mine[field]!r}): index the documents again with this engine"
+            )
+    return mine
+
+
+def check_header(llm, path) -> dict:
+    """The metadata of the file at ``path`` once its header says it is a document cache file for
+    ``llm`` (its tensors are not read: :func:`load` checks them); else a ``ValueError`` naming it."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get(META)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as error:
+        raise ValueError(
+            f"path: {path} is not a readable document cache file (corrupt or truncated: {error})"
+        ) from error
+    try:
+        meta = json.loads(raw) if raw is not None else None
+    except ValueError:
+        meta = None
+    _check_meta(llm, path, meta)
+    return meta
 
 
 def load(llm, path) -> Stored:
@@ -173,21 +251,7 @@ def load(llm, path) -> Stored:
         meta = json.loads(raw) if raw is not None else None
     except ValueError:
         meta = None
-    if not isinstance(meta, dict) or meta.get("format") not in READS:
-        raise ValueError(f"path: {path} is not a snapkv-rag document cache file (format {FORMAT})")
-    mine = identity(llm)
-    for field, what in (
-        ("library", "library version"),
-        ("model", "model"),
-        ("model_hash", "model configuration"),
-        ("dtype", "dtype"),
-        ("tokenizer_hash", "tokenizer"),
-    ):
-        if meta.get(field) != mine[field]:
-            raise ValueError(
-                f"path: {path} was made with another {what} ({meta.get(field)!r}; this engine has "
-                f"{mine[field]!r}): index the documents again with this engine"
-            )
+    mine = _check_meta(llm, path, meta)
     if _checksum(tensors) != meta.get("checksum"):
         raise ValueError(f"path: {path} is corrupt: its tensors do not match the checksum saved with them")
     method = method_from_json(meta["method"])

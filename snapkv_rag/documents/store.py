@@ -22,7 +22,8 @@ The store is an LRU bounded by bytes (``doc_store_bytes``, default 1 GiB), keyed
 identity (name, config, dtype), the tokenizer's, the library version, the method with its settings,
 and the prefix's token ids (which the documents, the instruction and the chat template give). An
 entry leaves only by LRU eviction (counted in :meth:`DocStore.stats`); a handle whose entry left is
-indexed again on its next use (counted as a miss). Files: :mod:`snapkv_rag.documents.files`.
+indexed again on its next use (counted as a miss). Files: :mod:`snapkv_rag.documents.files`; the
+store kept in a folder too (``doc_store_dir``, read back after a restart): :mod:`snapkv_rag.documents.folder`.
 Full and sliding-window attention layers (a sliding layer's tail sees what lies inside each query's
 window), multi-head latent attention (the kept latents, one selection for every head), and recurrent
 and hybrid layers: their conv / SSM states after the prefix are stored beside the K/V (whole: a
@@ -40,6 +41,7 @@ from ..kv.lru import ByteLRU
 from ..models.layer_kinds import FULL, LATENT, NONE, RECURRENT, SLIDING
 from ..request.prompts import DocumentLike
 from .files import load, save
+from .folder import DocFolder
 from .stored import Stored, check_method, entry_key, identity
 
 DEFAULT_BYTES = 1 << 30
@@ -56,10 +58,10 @@ class DocStore:
     """A byte-bounded LRU of :class:`Stored` entries by key; ``max_bytes`` 0 keeps nothing (a handle
     then holds its own entry, outside any bound)."""
 
-    def __init__(self, max_bytes: int = DEFAULT_BYTES):
+    def __init__(self, max_bytes: int = DEFAULT_BYTES, folder: DocFolder | None = None):
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"doc_store_bytes: must be a number of bytes >= 0 (0: nothing kept), got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes, self.folder = max_bytes, folder
         self._lru = ByteLRU(max_bytes, lambda entry: entry.nbytes)
         self._lock = threading.Lock()
         self._counts = DocStoreStats()
@@ -157,8 +159,7 @@ class DocumentSet(DocumentHandle):
             return self._own
         found = self.llm.doc_store.get(self.key)
         if found is None:
-            self.llm.doc_store.missed()
-            found = build(self.llm, self.documents, self.method)
+            found = _read_or_build(self.llm, self.key, self.documents, self.method)
             self.llm.doc_store.put(found)
         return found
 
@@ -211,12 +212,24 @@ def index(llm, documents: Sequence[DocumentLike], method) -> DocumentSet:
     method = check_method(method)
     probe = llm.request(PLACEHOLDER, documents)
     at = prefix_cache.boundary(probe.input_ids, probe.spans)
-    found = at is not None and llm.doc_store.get(entry_key(identity(llm), method, probe.input_ids[:at]))
-    if not found:
-        llm.doc_store.missed()
-    entry = found or build(llm, documents, method)
+    key = at is not None and entry_key(identity(llm), method, probe.input_ids[:at])
+    entry = (key and llm.doc_store.get(key)) or _read_or_build(llm, key, documents, method)
     llm.doc_store.put(entry)
     return DocumentSet(llm, entry)
+
+
+def _read_or_build(llm, key: str | None, documents, method) -> Stored:
+    """The entry of ``key`` from the store's folder (when it has one and the file is good), else
+    built now (a miss) and written to the folder."""
+    folder = llm.doc_store.folder
+    found = folder.load(llm, key) if folder is not None and key else None
+    if found is not None:
+        return found
+    llm.doc_store.missed()
+    entry = build(llm, documents, method)
+    if folder is not None:
+        folder.save(llm, entry)
+    return entry
 
 
 def bind(request, handle):
