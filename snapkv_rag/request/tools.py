@@ -52,9 +52,13 @@ def check_tools(tools: Any) -> list[dict]:
                 f"tools[{i}]: expected {{'type': 'function', 'function': {{'name', 'description', "
                 f"'parameters'}}}}, got {tool!r}"
             )
-        name, parameters = function.get("name"), function.get("parameters") or {"type": "object", "properties": {}}
+        name, parameters = function.get("name"), function.get("parameters")
+        if parameters is None:  # only a missing schema is the empty object's (not false, 0 or "")
+            parameters = {"type": "object", "properties": {}}
         if not isinstance(name, str) or not name:
             raise ValueError(f"tools[{i}].function.name: expected a non-empty str, got {name!r}")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise ValueError(f"tools[{i}].function.description: expected a str, got {function['description']!r}")
         if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
             raise ValueError(f"tools[{i}].function.parameters: expected a JSON schema of an object, got {parameters!r}")
         checked.append(

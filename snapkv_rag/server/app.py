@@ -3,7 +3,9 @@
 dependencies (:mod:`.deps`: parsing, admission at most ``max_batch + max_queue`` at a time, the
 context window) and whose answers come from the engine's ``astream_result`` (:mod:`.answers`);
 the bearer key and body size middleware (:mod:`.guard`); the errors in OpenAI's shape
-(:mod:`.error_handlers`); and the app's shared state (:mod:`.state`) on ``app.state``."""
+(:mod:`.error_handlers`); the app's shared state (:mod:`.state`) on ``app.state``; and
+``GET /openapi.json``, the schema of what the routes take and give (:mod:`.openapi`; it needs the
+API key when the server has one)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import contextlib
 
 from fastapi import FastAPI
 
-from . import error_handlers
+from . import error_handlers, openapi
 from .guard import Guard
 from .metrics import Metrics
 from .protocol import ServerSettings
@@ -59,9 +61,11 @@ def create_app(llm, settings: ServerSettings) -> FastAPI:
         lifespan=_lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
         exception_handlers=error_handlers.HANDLERS,
     )
+    document = openapi.schema(settings)
+    app.openapi = lambda: document  # written to what the routes take (:mod:`.openapi`), not inferred
     for router in ROUTERS:
         app.include_router(router)
     _add_middleware(app, settings)

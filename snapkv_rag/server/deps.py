@@ -1,8 +1,9 @@
 """The FastAPI dependencies of the routes. The engine, the settings and the :class:`~.state.ServerState`
 come from ``app.state``; a route that runs the engine takes its request through three checks, in
 this order: its body parsed and its model checked (400, 404: before anything is counted), its
-admission (503 once shutting down, 429 beyond ``max_batch + max_queue`` in flight), and its prompt
-counted against the context window (400), so that a malformed body is a 400 even when the queue is
+admission (503 once shutting down, 429 beyond ``max_batch + max_queue`` in flight, or beyond
+``max_streams`` open streams), and its prompt counted against ``max_prompt_tokens`` and the context
+window (400), so that a malformed body is a 400 even when the queue is
 full. The bearer key and the body size are not here: they must be checked before the body is read
 (:mod:`.guard`)."""
 
@@ -47,7 +48,7 @@ async def admission(
         raise APIError(
             429,
             f"the queue is full: {server.in_flight} requests in flight (max batch "
-            f"{settings.max_batch} + queue {settings.max_queue}); retry later",
+            f"{settings.max_batch} + queue {settings.max_queue}; --max-batch and --max-queue set them); retry later",
             type="rate_limit_error",
             code="queue_full",
         )
@@ -78,9 +79,10 @@ def parsed_call(parser: Callable[[dict, ServerSettings], Call]) -> Callable:
     return parsed
 
 
-async def check_context_length(llm, call: Call) -> None:
-    """400 unless the prompt as the engine builds it (documents, tools) plus ``max_tokens`` fits
-    the context window: said before any engine work, with the numbers. Tokenizing runs in a thread."""
+async def check_context_length(llm, call: Call, settings: ServerSettings) -> None:
+    """400 unless the prompt as the engine builds it (documents, tools) is within
+    ``--max-prompt-tokens`` and, with ``max_tokens``, fits the context window: said before any
+    engine work, with the numbers. Tokenizing runs in a thread."""
     param = "messages" if call.kind == "chat" else "prompt"
     try:
         prompt = await asyncio.to_thread(
@@ -89,6 +91,15 @@ async def check_context_length(llm, call: Call) -> None:
     except (ValueError, TypeError) as error:
         raise APIError(400, str(error), param=param) from None
     tokens, new = len(prompt.input_ids), call.options.get("max_new_tokens", llm.max_new_tokens)
+    limit = settings.max_prompt_tokens
+    if limit is not None and tokens > limit:
+        raise APIError(
+            400,
+            f"the prompt is {tokens} tokens, over this server's limit of {limit} prompt tokens; "
+            "--max-prompt-tokens sets the limit",
+            param=param,
+            code="prompt_too_long",
+        )
     if tokens + new > llm.context_window:
         raise APIError(
             400,
@@ -109,9 +120,20 @@ def admitted_call(parser: Callable[[dict, ServerSettings], Call]) -> Callable:
         call: Annotated[Call, Depends(parsed)],
         ticket: Annotated[Ticket, Depends(admission)],
         llm: Annotated[Any, Depends(engine)],
+        settings: Annotated[ServerSettings, Depends(server_settings)],
     ) -> Call:
-        del ticket  # asked for so that admission comes after parsing and before the length check
-        await check_context_length(llm, call)
+        # the ticket is asked for so that admission comes after parsing and before the length check
+        if call.stream:
+            if ticket.server.streams >= settings.max_streams:
+                raise APIError(
+                    429,
+                    f"too many streams: {ticket.server.streams} streamed responses open, this server's "
+                    f"limit is {settings.max_streams}; --max-streams sets it; retry later",
+                    type="rate_limit_error",
+                    code="too_many_streams",
+                )
+            ticket.streamed()
+        await check_context_length(llm, call, settings)
         return call
 
     return admitted

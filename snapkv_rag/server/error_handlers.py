@@ -23,7 +23,7 @@ async def api_error(request: Request, error: APIError) -> JSONResponse:
 async def http_error(request: Request, error: HTTPException) -> JSONResponse:
     kind = "not_found" if error.status_code == 404 else "method_not_allowed" if error.status_code == 405 else None
     body = APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", code=kind).body()
-    return JSONResponse(body, error.status_code)
+    return JSONResponse(body, error.status_code, headers=error.headers)  # a 405's Allow
 
 
 async def server_error(request: Request, error: Exception) -> JSONResponse:

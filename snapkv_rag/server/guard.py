@@ -12,8 +12,13 @@ from .errors import APIError
 from .protocol import ServerSettings
 
 
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is over this server's limit of {limit} bytes", code="request_too_large")
+def _too_large(limit: int, size: int | None = None) -> APIError:
+    what = f"the request body ({size} bytes)" if size is not None else "the request body"
+    return APIError(
+        413,
+        f"{what} is over this server's limit of {limit} bytes; --max-body-bytes sets the limit",
+        code="request_too_large",
+    )
 
 
 class Guard:
@@ -32,9 +37,12 @@ class Guard:
             error = APIError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key")
             return await JSONResponse(error.body(), 401)(scope, receive, send)
         limit = self.settings.max_body_bytes
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > limit:
-            return await JSONResponse(_too_large(limit).body(), 413)(scope, receive, send)
+        length = headers.get(b"content-length", b"0").strip()
+        if not length.isdigit():
+            error = APIError(400, "the Content-Length header is not a number of bytes", code="invalid_request")
+            return await JSONResponse(error.body(), 400)(scope, receive, send)
+        if int(length) > limit:
+            return await JSONResponse(_too_large(limit, int(length)).body(), 413)(scope, receive, send)
         seen = 0
 
         async def counted():  # a chunked body has no Content-Length: count what arrives

@@ -45,6 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-documents", type=int, default=64, help="more documents in one request get 400 (default 64)"
     )
     parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="a longer prompt (documents and tools included) gets 400 (default: the model's context window)",
+    )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=64,
+        help="more streamed responses open at once get 429 (default 64)",
+    )
+    parser.add_argument(
         "--cors-origin",
         action="append",
         default=[],
@@ -73,6 +86,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bound of the store of compressed document sets: a request with a query-agnostic "
         "method (keynorm, kvzip) over documents seen before prefills only its question "
         "(default 1 GiB; 0 disables)",
+    )
+    parser.add_argument(
+        "--doc-store-dir",
+        default=None,
+        metavar="DIR",
+        help="keep the compressed document sets in DIR too, one file per set, written atomically: a "
+        "restarted server answers from them (default: none, memory only)",
+    )
+    parser.add_argument(
+        "--doc-store-disk-bytes",
+        type=int,
+        default=4 << 30,
+        metavar="BYTES",
+        help="bound of --doc-store-dir: the least recently used files go beyond it, and a set larger "
+        "than it is not written (default 4 GiB)",
     )
     parser.add_argument(
         "--replicas",
@@ -111,9 +139,13 @@ def check(args) -> str | None:
         ("--max-documents", args.max_documents, 1),
         ("--prefix-cache-bytes", args.prefix_cache_bytes, 0),
         ("--doc-store-bytes", args.doc_store_bytes, 0),
+        ("--max-streams", args.max_streams, 0),
+        ("--doc-store-disk-bytes", args.doc_store_disk_bytes, 0),
     ):
         if value < least:
             raise ValueError(f"{flag} {value}: must be at least {least}")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: must be at least 1")
     if args.port > 65535:
         raise ValueError(f"--port {args.port}: must be at most 65535")
     key = args.api_key or os.environ.get(KEY_VARIABLE) or None
@@ -140,6 +172,8 @@ def settings(args, key: str | None, default_name: str, compression, base_compres
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         max_documents=args.max_documents,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_streams=args.max_streams,
         cors_origins=tuple(args.cors_origin),
         compression=compression,
         base_compression=base_compression,

@@ -18,6 +18,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 PER_REQUEST = ("spans",)  # method fields bound by the engine per request, never sent
 # OpenAI parameters this server cannot honour: refused by name rather than ignored in silence
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
+FORMATS = ("text", "json_object", "json_schema")  # response_format.type
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,14 @@ class ServerSettings:
     max_batch: int = 16
     max_queue: int = 64
     max_body_bytes: int = 4 * 2**20
+    """``--max-body-bytes``: a larger request body gets 413."""
     max_documents: int = 64
+    """``--max-documents``: more documents in one request get 400."""
+    max_prompt_tokens: int | None = None
+    """``--max-prompt-tokens``: a longer prompt (documents and tools included) gets 400; ``None``:
+    only the model's context window bounds it."""
+    max_streams: int = 64
+    """``--max-streams``: more streamed responses open at once get 429 (``stream: true``)."""
     cors_origins: tuple[str, ...] = ()
     compression: SnapKVConfig | None = SnapKVConfig()
     """The server's default compression (``None``: the full cache); per-request ``snapkv`` objects
@@ -77,7 +85,9 @@ def _documents(items: Any, param: str, limit: int, already: int = 0) -> list[dic
         raise bad(param, 'expected a list of {"title", "text"} objects or strings', "invalid_type")
     if already + len(items) > limit:
         raise bad(
-            param, f"{already + len(items)} documents, more than this server takes ({limit})", "too_many_documents"
+            param,
+            f"{already + len(items)} documents, more than this server takes ({limit}); --max-documents sets the limit",
+            "too_many_documents",
         )
     out = []
     for i, item in enumerate(items):
@@ -121,7 +131,7 @@ def _messages(body: dict, limit: int, documents: list[dict]) -> list[dict]:
         if not isinstance(message, dict):
             raise bad(f"messages[{i}]", 'expected an object with "role" and "content"', "invalid_type")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise bad(
                 f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}", "invalid_role"
             )
@@ -150,7 +160,7 @@ def _switch_method(name: Any, base):
     """``base`` (the server's compression) as method ``name``: the budget carries over, and the other
     settings the server changed from SnapKV's defaults where the method has them; the rest are the
     method's own defaults."""
-    if name not in METHODS:
+    if not isinstance(name, str) or name not in METHODS:
         raise bad("snapkv.method", f"must be one of {', '.join(METHODS)}, got {json.dumps(name)}")
     plain, target = SnapKVConfig(), {f.name for f in fields_of(METHODS[name])}
     carried = {
@@ -247,8 +257,19 @@ def _options(body: dict, settings: ServerSettings) -> tuple[dict, bool, bool]:
     if typed(body, "ignore_eos", (bool,), "a boolean"):
         options["ignore_eos"] = True
     response_format = typed(body, "response_format", (dict,), "an object")
-    if response_format and response_format.get("type") != "text":
-        options["response_format"] = response_format
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind not in FORMATS:
+            raise bad("response_format.type", f"must be one of {', '.join(FORMATS)}, got {json.dumps(kind)}")
+        inner = response_format.get("json_schema") if kind == "json_schema" else None
+        if isinstance(inner, dict):
+            for name, kinds, what in (("name", (str,), "a string"), ("strict", (bool,), "a boolean")):
+                if inner.get(name) is not None and (
+                    not isinstance(inner[name], kinds) or (isinstance(inner[name], bool) and bool not in kinds)
+                ):
+                    raise bad(f"response_format.json_schema.{name}", f"expected {what}", "invalid_type")
+        if kind != "text":
+            options["response_format"] = response_format
     compression = _compression(body.get("snapkv"), settings)
     if compression is not None:
         options["snapkv"] = compression

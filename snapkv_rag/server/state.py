@@ -19,6 +19,8 @@ class ServerState:
     metrics: Metrics
     in_flight: int = 0
     """Requests admitted and not yet released (at most ``max_batch + max_queue``)."""
+    streams: int = 0
+    """Of those, the streamed ones (at most ``max_streams``)."""
     accepting: bool = True
     cancel_at: float | None = None
     """``time.monotonic()`` after which running requests are cancelled (``None``: not shutting down)."""
@@ -44,13 +46,20 @@ class Ticket:
     its answer and asks again finds the place free; releasing twice is harmless."""
 
     def __init__(self, server: ServerState):
-        self.server, self.released = server, False
+        self.server, self.released, self.stream = server, False, False
         self.arrived = time.perf_counter()  # the start of the request's latency and time to first token
         server.in_flight += 1
         server.metrics.in_flight.set(server.in_flight)
 
+    def streamed(self) -> None:
+        """Counts this request among the open streams (released with it)."""
+        if not self.stream:
+            self.stream = True
+            self.server.streams += 1
+
     def release(self) -> None:
         if not self.released:
             self.released = True
+            self.server.streams -= self.stream
             self.server.in_flight -= 1
             self.server.metrics.in_flight.set(self.server.in_flight)

@@ -51,7 +51,9 @@ def loop_message(message: dict, i: int, content: str | None, calls_by_id: dict[s
     call_id = message.get("tool_call_id")
     if not isinstance(call_id, str) or not call_id:
         raise bad(f"messages[{i}].tool_call_id", "a tool message needs the id of the call it answers", "missing")
-    name = message.get("name") if isinstance(message.get("name"), str) else calls_by_id.get(call_id)
+    if message.get("name") is not None and not isinstance(message["name"], str):
+        raise bad(f"messages[{i}].name", "expected the name of the tool as a string", "invalid_type")
+    name = message.get("name") or calls_by_id.get(call_id)
     return {"role": "tool", "content": content or "", "tool_call_id": call_id, **({"name": name} if name else {})}
 
 
