@@ -32,10 +32,10 @@ def model_folder(tmp_path_factory, tokenizer):
     return folder
 
 
-def serve(folder: Path, *flags: str, startup_s: float = 180, output=subprocess.PIPE):
+def serve(folder: Path, *flags: str, startup_s: float = 180, output=subprocess.PIPE, env: dict | None = None):
     """A started server process and its base URL, once /health answers within ``startup_s``.
     ``output``: where its stdout and stderr go (a pipe, or a file that no reader has to drain while
-    it starts: a Ray cluster logs a lot on a loaded machine)."""
+    it starts: a Ray cluster logs a lot on a loaded machine); ``env``: variables set for it."""
     port = free_port()
     script = Path(sys.executable).with_name("snapkv-rag")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "snapkv_rag.cli"]
@@ -44,7 +44,7 @@ def serve(folder: Path, *flags: str, startup_s: float = 180, output=subprocess.P
         stdout=output,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "SNAPKV_RAG_API_KEY": ""},
+        env={**os.environ, "SNAPKV_RAG_API_KEY": "", **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_s
