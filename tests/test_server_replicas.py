@@ -2,7 +2,10 @@
 local Ray cluster for the module (Ray's start-up is slow). Concurrent requests reach both replicas
 (each response names its replica) and get one engine's answers; the app's key, limits and errors
 hold behind Ray's proxy; a killed replica is replaced, and the one request it had in flight gets a
-500 from Ray's proxy, which the ``openai`` client retries: no request is lost."""
+500 from Ray's proxy, which the ``openai`` client retries: no request is lost. A replica killed
+mid-stream breaks its own streams where the client sees it (Ray's proxy closes the connection
+before the chunked body's end: ``httpx.RemoteProtocolError``, which the ``openai`` client raises),
+never a clean end without ``[DONE]`` nor a hang; the other replica's streams finish."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from server_testing import free_port
+from server_testing import free_port, sse_events
 
 serve = pytest.importorskip("ray.serve", reason="the ray extra (ray[serve]) is not installed")
 ray = pytest.importorskip("ray")
@@ -142,3 +145,68 @@ def test_a_killed_replica_is_replaced_and_the_openai_client_loses_no_request(clu
         if new <= seen:
             break
     assert new <= seen  # the replacement serves
+
+
+def open_stream(url: str, k: int, outcome: dict) -> None:
+    """One long stream (EOS ignored): its replica, its events as they come, and how it ended:
+    ``done`` ([DONE] read), ``error`` (an error event or a broken stream), or ``ended`` (closed
+    cleanly without [DONE]: a truncated success, which must never happen)."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}],
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", headers=KEY, json=body, timeout=60) as reply:
+            outcome["replica"] = reply.headers.get("x-snapkv-replica")
+            for event in sse_events(reply):
+                outcome.setdefault("events", []).append(event)
+                if event == "[DONE]":
+                    outcome["end"] = "done"
+                elif "error" in event:
+                    outcome["end"] = "error"
+            outcome.setdefault("end", "ended")
+    except httpx.TransportError as error:  # the stream broken off: the client sees it as an error
+        outcome["end"], outcome["error"] = "error", repr(error)
+
+
+def test_a_replica_killed_mid_stream_breaks_only_its_streams_visibly_and_is_replaced(cluster):
+    """Streams on both replicas; the replica of the first one is killed once every stream has
+    chunks: each of its streams ends in an error the client sees (never a clean end without
+    [DONE], never a hang), the other replica's streams finish with [DONE], a replacement comes up
+    and the next requests are answered."""
+    deadline = time.monotonic() + 120
+    for _ in range(3):  # the router may put every stream on one replica: then try again
+        outcomes = [{} for _ in range(6)]
+        threads = [threading.Thread(target=open_stream, args=(cluster, k, o)) for k, o in enumerate(outcomes)]
+        for thread in threads:
+            thread.start()
+        while time.monotonic() < deadline and not all(len(o.get("events", ())) >= 3 or "end" in o for o in outcomes):
+            time.sleep(0.05)
+        if len({o.get("replica") for o in outcomes} - {None}) == 2:
+            break
+        for thread in threads:
+            thread.join(90)
+    replicas = {o["replica"] for o in outcomes}
+    assert len(replicas) == 2, "the streams never reached both replicas"
+    victim = outcomes[0]["replica"]
+    before = replica_names()
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::snapkv-rag#snapkv-rag#{victim}", namespace="serve"), no_restart=True)
+    for thread in threads:
+        thread.join(max(1, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), "a stream hung"
+    for outcome in outcomes:
+        if outcome["replica"] == victim:
+            assert outcome["end"] == "error" and "[DONE]" not in outcome["events"], outcome.get("error")
+        else:
+            assert outcome["end"] == "done", outcome
+            finish = [e for e in outcome["events"] if e != "[DONE]" and e["choices"][0]["finish_reason"]]
+            assert finish[-1]["choices"][0]["finish_reason"] == "length"
+    while time.monotonic() < deadline and not (len(replica_names() - before) == 1 and running() == 2):
+        time.sleep(1)
+    assert len(replica_names() - before) == 1 and victim not in replica_names() and running() == 2
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda q: ask(cluster, q), QUESTIONS))
+    assert [r.status_code for r in replies] == [200] * 8
