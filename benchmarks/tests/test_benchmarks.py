@@ -306,6 +306,21 @@ def test_soak_quick_mixed_load(tmp_path: Path) -> None:
     assert _gone(report["pid"])
 
 
+@pytest.mark.heavy
+@pytest.mark.skipif(not _embedded_model_available(), reason="the tiny model borrows the embedded model's tokenizer")
+@pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="the bench extra's locust is not installed")
+def test_locust_quick_mixed_load(tmp_path: Path) -> None:
+    """The locustfile's every kind (answers checked, hostile requests refused, cut streams) on a
+    tiny model for 10 s, the server's RSS sampled, the report written."""
+    _run("load_locust/run.py", "--quick", "--out", str(tmp_path), timeout=480)
+    report = json.loads((tmp_path / "load_locust.json").read_text())
+    assert report["checks"]["passed"], report["checks"]
+    assert report["checks"]["answers_checked"] > 0 and report["checks"]["wrong_answers"] == 0
+    assert report["checks"]["five_xx"] == 0 and report["failures"] == 0 and report["requests"] > 10
+    assert {"chat", "stream", "stream_cut", "doc_store"} <= set(report["by_kind"])
+    assert len(report["rss_mib"]) >= 2 and report["health_at_end"] == 200
+
+
 def test_peer_presses_pairs_each_method_of_ours_against_kvpresss_best_press():
     """The report names, per set and share, the press with the most answers identical to kvpress's
     full cache, and pairs each method of ours against it on the prompts both ran."""
