@@ -68,7 +68,7 @@ def fuzz(url: str, schema: Path, report: Path, *options: str, timeout: float = 1
         str(report),
         *options,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=report.parent)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     return json.loads(report.read_text())
 

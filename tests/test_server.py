@@ -3,6 +3,8 @@ compression, errors, limits, keys, metrics, and a disconnect that cancels its re
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import time
 
@@ -204,7 +206,7 @@ def test_a_full_queue_gets_429_and_a_disconnected_stream_stops_generating(tiny_e
                 assert all(p["choices"][0]["finish_reason"] is None for p in pieces)
                 full = post(url, messages=ASK, max_tokens=2)
                 assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
-                assert "max batch 1 + queue 0" in full.json()["error"]["message"]
+                assert "max batch 1 + queue 0; --max-batch and --max-queue" in full.json()["error"]["message"]
             # the client is gone: the engine stops within a step or two, and the slot is free again
             deadline = time.monotonic() + 10
             while (app.state.status["in_flight"] or tiny_engine.stats().running) and time.monotonic() < deadline:
@@ -255,3 +257,43 @@ def test_ignore_eos_decodes_exactly_max_tokens(tokenizer):
         forced = post(url, messages=ASK, max_tokens=9, ignore_eos=True).json()
     assert plain["usage"]["completion_tokens"] == 0 and plain["choices"][0]["finish_reason"] == "stop"
     assert forced["usage"]["completion_tokens"] == 9 and forced["choices"][0]["finish_reason"] == "length"
+
+
+def test_each_limit_names_itself_and_the_option_that_sets_it(tiny_engine):
+    """Body size (413), documents and prompt tokens (400), streams open (429; the queue's: above): each
+    error names the limit's value and its ``serve`` option, whose default ``serve --help`` gives."""
+    limits = {"max_body_bytes": 3000, "max_documents": 2, "max_prompt_tokens": 60, "max_streams": 1}
+    with running_server(tiny_engine, max_batch=2, max_queue=0, **limits) as (url, app):
+        big = post(url, messages=[{"role": "user", "content": "x" * 4000}])
+        assert big.status_code == 413 and "limit of 3000 bytes; --max-body-bytes" in big.json()["error"]["message"]
+        many = post(url, messages=ASK, documents=["a", "b", "c"])
+        assert many.status_code == 400 and "takes (2); --max-documents" in many.json()["error"]["message"]
+        long = post(url, messages=[{"role": "user", "content": "river " * 80}])
+        error = long.json()["error"]
+        assert long.status_code == 400 and error["code"] == "prompt_too_long"
+        assert "limit of 60 prompt tokens; --max-prompt-tokens" in error["message"]
+        body = {"model": "tiny", "messages": ASK, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        slow = tiny_engine.model.register_forward_pre_hook(lambda *a: time.sleep(0.02))  # the stream stays open
+        with httpx.stream("POST", url + CHAT, json=body, timeout=60) as reply, contextlib.ExitStack() as undo:
+            undo.callback(slow.remove)
+            events = sse_events(reply)  # kept: a generator collected would close the stream
+            next(events)
+            second = httpx.post(url + CHAT, json=body, timeout=60)
+            assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_streams"
+            assert "limit is 1; --max-streams" in second.json()["error"]["message"]
+            assert post(url, messages=ASK, max_tokens=2).status_code == 200  # not a stream: let in
+        assert app.state.server.streams == 0
+    from snapkv_rag.cli import main
+
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
+        main(["serve", "--help"])
+    words = " ".join(out.getvalue().split())
+    for option, default in (
+        ("--max-body-bytes", "default 4 MiB"),
+        ("--max-documents", "default 64"),
+        ("--max-prompt-tokens", "default: the model's context window"),
+        ("--max-streams", "default 64"),
+        ("--max-queue", "default 64"),
+        ("--doc-store-disk-bytes", "default 4 GiB"),
+    ):
+        assert option in words and default in words, (option, default)

@@ -53,7 +53,7 @@ def check_tools(tools: Any) -> list[dict]:
                 f"'parameters'}}}}, got {tool!r}"
             )
         name, parameters = function.get("name"), function.get("parameters")
-        if parameters is None:  # only a missing schema is the empty object's (not false, 0 or "")
+        if parameters is None or parameters == {}:  # none given: an object (false, 0 or "" are refused)
             parameters = {"type": "object", "properties": {}}
         if not isinstance(name, str) or not name:
             raise ValueError(f"tools[{i}].function.name: expected a non-empty str, got {name!r}")
