@@ -226,3 +226,22 @@ def test_a_full_disk_names_the_file_keeps_the_old_one_and_the_store_serves_on(st
     assert answers[0] == answers[2]
     llm.doc_store.folder.save(llm, llm.doc_store.get(target.stem))  # space again: written
     assert files.load(llm, target).key == target.stem
+
+
+def test_the_folder_keeps_within_its_bound_on_disk(tiny_model, tokenizer, tmp_path, caplog):
+    """Beyond ``doc_store_disk_bytes`` the least recently used files go; a set larger than the whole
+    bound is not written, and the log names the option that raises it."""
+    probe = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, doc_store_dir=tmp_path / "probe")
+    size = (tmp_path / "probe" / f"{probe.index_documents(sets(1)[0], method=HALF_CONFIG).key}{SUFFIX}").stat().st_size
+    folder = tmp_path / "store"
+    llm = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, doc_store_dir=folder, doc_store_disk_bytes=int(size * 2.5))
+    keys = []
+    for i, docs in enumerate(sets(3, start=20)):
+        keys.append(llm.index_documents(docs, method=HALF_CONFIG).key)
+        os.utime(folder / f"{keys[-1]}{SUFFIX}", (1000 + i, 1000 + i))  # written one after another
+    assert sorted(p.stem for p in folder.glob(f"*{SUFFIX}")) == sorted(keys[1:])  # the oldest went
+    small = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, doc_store_dir=tmp_path / "small", doc_store_disk_bytes=10)
+    with caplog.at_level(logging.WARNING, logger="snapkv_rag.documents"):
+        handle = small.index_documents(sets(1)[0], method=HALF_CONFIG)
+    assert "over the folder's bound of 10 bytes (--doc-store-disk-bytes raises it)" in caplog.text
+    assert not list((tmp_path / "small").glob(f"*{SUFFIX}")) and handle.generate(QUESTION).text is not None
