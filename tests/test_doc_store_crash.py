@@ -91,6 +91,7 @@ def metric(url: str, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))
 
 
+@pytest.mark.heavy  # two server processes start: most of a minute on 2 cores
 def test_sigkill_while_writing_leaves_whole_files_and_the_restart_answers_from_them(model_folder, tmp_path):
     store, slow = tmp_path / "store", tmp_path / "slow-disk"
     slow.mkdir()

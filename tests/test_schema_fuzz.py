@@ -81,6 +81,7 @@ def test_the_schema_needs_the_key_like_every_route_but_health(fuzzed_server):
     assert schema["security"] == [{"bearer": []}] and schema["paths"]["/health"]["get"]["security"] == []
 
 
+@pytest.mark.heavy  # about 70 s of fuzzing on 2 cores
 def test_schemathesis_finds_nothing_with_and_without_the_key(fuzzed_server, tmp_path):
     """Both runs pass every check; the keyed one reaches every operation and gets answers (2xx) and
     refusals (4xx) on both generation routes; the one without the key gets 401 everywhere but
