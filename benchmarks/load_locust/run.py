@@ -338,7 +338,9 @@ def main(argv=None) -> dict:
             result["checks"]["passed"] = result["checks"]["passed"] and health == 200
             log_tail = server.log_tail(2000)
         result["server_log_tail"] = log_tail.replace(str(scratch), "<scratch>")
-    result["command"] = "python benchmarks/load_locust/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    root = str(BENCH.parent) + os.sep  # the command as run from the repository, without this machine's paths
+    given = sys.argv[1:] if argv is None else argv
+    result["command"] = "python benchmarks/load_locust/run.py " + " ".join(a.removeprefix(root) for a in given)
     (args.out / "load_locust.json").write_text(json.dumps(result, indent=1))
     (args.out / "load_locust.md").write_text(markdown(result))
     print(markdown(result))

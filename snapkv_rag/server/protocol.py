@@ -262,12 +262,9 @@ def _options(body: dict, settings: ServerSettings) -> tuple[dict, bool, bool]:
         if kind not in FORMATS:
             raise bad("response_format.type", f"must be one of {', '.join(FORMATS)}, got {json.dumps(kind)}")
         inner = response_format.get("json_schema") if kind == "json_schema" else None
-        if isinstance(inner, dict):
-            for name, kinds, what in (("name", (str,), "a string"), ("strict", (bool,), "a boolean")):
-                if inner.get(name) is not None and (
-                    not isinstance(inner[name], kinds) or (isinstance(inner[name], bool) and bool not in kinds)
-                ):
-                    raise bad(f"response_format.json_schema.{name}", f"expected {what}", "invalid_type")
+        for name, kind_, what in (("name", str, "a string"), ("strict", bool, "a boolean")):
+            if isinstance(inner, dict) and inner.get(name) is not None and not isinstance(inner[name], kind_):
+                raise bad(f"response_format.json_schema.{name}", f"expected {what}", "invalid_type")
         if kind != "text":
             options["response_format"] = response_format
     compression = _compression(body.get("snapkv"), settings)
