@@ -35,14 +35,14 @@ def st_command() -> list[str]:
 
 @pytest.fixture(scope="module")
 def fuzzed_server(tokenizer):
-    model = tiny_llama(len(tokenizer), max_position_embeddings=160)
+    model = tiny_llama(len(tokenizer), max_position_embeddings=112)
     llm = SnapKVLLM(model=model, tokenizer=tokenizer, max_new_tokens=4)
     with running_server(llm, api_key=KEY, max_documents=4, max_body_bytes=64_000) as (url, app):
         yield url, app
     llm.close()
 
 
-def fuzz(url: str, schema: Path, report: Path, *options: str, timeout: float = 120) -> dict:
+def fuzz(url: str, schema: Path, report: Path, *options: str, timeout: float = 600) -> dict:
     command = [
         *st_command(),
         "run",
