@@ -14,7 +14,7 @@ tokens/s (the server's own counter), the RSS curve, and the checks:
 - RSS flat after warm-up: every sample of the last third within 5% of that third's first one.
 
     python benchmarks/load_locust/run.py --out benchmarks/results/load_locust     # 64 users, 10 min
-    python benchmarks/load_locust/run.py --quick --out /tmp/locust-quick          # tiny model, seconds
+    python benchmarks/load_locust/run.py --quick --out locust-quick               # tiny model, seconds
 """
 
 from __future__ import annotations
