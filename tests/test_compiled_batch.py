@@ -122,3 +122,19 @@ def test_sampled_rows_pick_inside_the_compiled_step_as_eager_ones_do(tiny_model,
         compiled.close()
     assert compiled.runner.fallback is None
     assert [r.text for r in got] == [r.text for r in alone]
+
+
+def test_the_split_decode_attention_answers_as_torch_attention_does(tiny_model, tokenizer, plain):
+    """``decode_attention="split"`` (plain ops that inductor fuses into split reductions over the
+    slots): the same answers as the eager engine, rows of unequal lengths in one batch."""
+    args = workload(4)
+    alone = [plain.generate(a["question"], **{k: v for k, v in a.items() if k != "question"}) for a in args]
+    compiled = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, compile=True, max_batch=4)
+    compiled.runner.decode_attention = "split"
+    torch._dynamo.reset()
+    try:
+        got = run_together(compiled, args)
+    finally:
+        compiled.close()
+    assert compiled.runner.fallback is None
+    assert [r.text for r in got] == [r.text for r in alone]

@@ -82,10 +82,9 @@ class SlotLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         b, length = key_states.shape[0], self.cache.masks[self.index].shape[-1]
-        keys, values = self.keys[:b, :, :length], self.values[:b, :, :length]
-        keys.index_put_(self.cache.step_index, key_states)
-        values.index_put_(self.cache.step_index, value_states)
-        return keys, values
+        self.keys.index_put_(self.cache.step_index, key_states)  # into the buffer itself, not a view of it
+        self.values.index_put_(self.cache.step_index, value_states)
+        return self.keys[:b, :, :length], self.values[:b, :, :length]
 
     def get_seq_length(self) -> int:
         """Slots held by the longest row in use (host bookkeeping: no device read)."""
@@ -138,6 +137,9 @@ class SlotCache(LayerTrackingCache):
         self.held: dict[int, list[int]] = {}  # row in use -> prompt slots per attention layer
         self.decoded: dict[int, int] = {}  # row in use -> tokens decoded into it
         self.recorder = None  # called as recorder(layer_idx, query, keys, scoring) by eager decode steps
+        # a compiled step's attention: "sdpa" (torch's kernel) or "split" (plain ops inductor fuses
+        # into split reductions over the slots, see runtime.attention.fused_decode_attention)
+        self.decode_attention = "sdpa"
         self.record_s = 0.0
         self.generation = 0  # bumped by every allocation: a captured graph belongs to one
         self.masks: tuple[torch.Tensor, ...] = ()

@@ -131,6 +131,9 @@ class Runner:
         self._eager_logged = False
         self._step_function: Callable | None = None  # the torch.compile'd step, made at first use
         self.fallback: str | None = None  # why compile=True captures the eager step (None: it compiles)
+        # the compiled step's attention over the slots: "sdpa" (torch's kernel), or "split" (plain
+        # ops that inductor fuses into split-K reductions; for slot caches made after it is set)
+        self.decode_attention = "sdpa"
         self.repeat_ids: tuple[int, ...] = ()  # KVzip's repeat instruction, tokenized (set by the engine)
         # why a multi-token pass cannot continue this model's recurrent states (None: it can): then no
         # prompt is split at a cached prefix, and a tail over stored states runs one token per step
@@ -348,7 +351,9 @@ class Runner:
 
     # ------------------------------------------------------------ decode
     def new_slots(self, max_rows: int) -> SlotCache:
-        return SlotCache(self.model.config, self.specs, max_rows, self.device, keep=bool(self.compile))
+        slots = SlotCache(self.model.config, self.specs, max_rows, self.device, keep=bool(self.compile))
+        slots.decode_attention = self.decode_attention
+        return slots
 
     def decode_step(
         self,
