@@ -271,7 +271,7 @@ def parse(argv=None) -> argparse.Namespace:
         "--compile-estimate-s",
         type=float,
         default=None,
-        help="predicted seconds of a compile before one is measured (default 90 on CUDA, 20 on the CPU)",
+        help="predicted seconds of a compile before one is measured (default 45 on CUDA, 20 on the CPU)",
     )
     p.add_argument("--no-kernels", action="store_true", help="skip counting the decode step's kernels")
     args = p.parse_args(argv)
@@ -283,7 +283,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse(argv)
     device = Device(args.device)
-    args.compile_estimate_s = args.compile_estimate_s or (90.0 if device.cuda else 20.0)
+    args.compile_estimate_s = args.compile_estimate_s or (45.0 if device.cuda else 20.0)
     models, names = pick_models(args.models, args.tiny)
     names = names if args.models or not args.tiny else names[:1]
     dtype = torch.float32 if (args.tiny and not device.cuda) else torch.bfloat16
