@@ -388,7 +388,7 @@ class Run:
     ) -> dict:
         """Doubling from ``--longest-start`` until a prompt does not fit, then ``--longest-bisect``
         bisection steps between the longest that fit and the shortest that did not. Each attempt
-        prefills and decodes 4 tokens, if its predicted time fits ``--longest-attempt-s`` and the time
+        prefills and decodes 5 tokens, if its predicted time fits ``--longest-attempt-s`` and the time
         left; otherwise the search stops there (a lower bound)."""
         args, device = self.args, self.device
         step = 16 if args.tiny else 1024

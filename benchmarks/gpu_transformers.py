@@ -161,6 +161,15 @@ def measure(hf: Transformers, ids: list[int], short: list[int], steps: int, cach
     }
 
 
+def kernels(hf: Transformers, short: list[int], cache, layers: int) -> dict:
+    """Kernels per layer of transformers' decode step: 12 new tokens against 4 on the short prompt, in
+    the cache whose step was just compiled (its failure is this figure's, not the row's)."""
+    try:
+        return kernels_per_step(lambda tokens: hf.generate(short, tokens, cache), 4, 12, layers, hf.device)
+    except Exception as error:  # noqa: BLE001 - recorded
+        return {"status": "error", "error": f"{type(error).__name__}: {error}"[:500]}
+
+
 def run_model(args, name: str, shape: dict, device: Device, dtype, results: ResultFile, watchdog, deadline, bandwidth):
     tokenizer = word_tokenizer()
     from snapkv_rag.request.prompts import DEFAULT_INSTRUCTION  # the engine's default: the grid's prompts
@@ -211,11 +220,7 @@ def run_model(args, name: str, shape: dict, device: Device, dtype, results: Resu
                     cost.learn_prefill(size, 1, row["prefill_s"])
                 if i == 0 and not args.no_kernels:
                     watchdog.doing = f"{name}: kernels per layer"
-
-                    def generate(tokens: int, cache=cache) -> None:
-                        hf.generate(short, tokens, cache)
-
-                    entry["kernels"] = kernels_per_step(generate, 4, 12, layers, device)
+                    entry["kernels"] = kernels(hf, short, cache, layers)
                     print(f"  {name} kernels per layer, transformers: {describe_kernels(entry['kernels'])}", flush=True)
             except torch.OutOfMemoryError as error:
                 row.update(status="OOM", error=str(error).splitlines()[0])
