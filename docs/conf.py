@@ -19,7 +19,8 @@ copyright = "the snapkv-rag authors"
 
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build", "generated", "_openapi", "Thumbs.db", ".DS_Store"]  # generated, _openapi: included by the pages
+# generated/ and _openapi/ hold what the pages include, not pages of their own
+exclude_patterns = ["_build", "generated", "_openapi", "Thumbs.db", ".DS_Store"]
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 

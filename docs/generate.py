@@ -18,6 +18,7 @@ build (the routes belong to the server code, not to a result file).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -62,7 +63,8 @@ def _round(value, digits: int = 4):
 # --- evals -------------------------------------------------------------------------------------
 
 
-def _eval_records(folder: Path, keys: Sequence[str]) -> tuple[list[dict], list[str]]:
+@functools.cache
+def _eval_records(folder: Path, keys: tuple[str, ...]) -> tuple[list[dict], list[str]]:
     """Aggregated records of a committed eval run (its rows.jsonl, or those of its subfolders), as
     ``python -m evals --report-only`` computes them, and the run's methods in report order."""
     from evals.ordering import method_order
@@ -89,8 +91,7 @@ def evals_by_n(tables: dict, figures: dict) -> None:
     by_n, methods = _eval_records(EVALS / "cpu-2core", ("dataset", "num_docs", "method"))
     source = "evals/results/cpu-2core/*/rows.jsonl"
     tables["evals_by_n.md"] = (
-        _header(source)
-        + "Means over every gold position with 95% bootstrap intervals; 'F1 - full F1' is the paired "
+        _header(source) + "Means over every gold position with 95% bootstrap intervals; 'F1 - full F1' is the paired "
         "difference on the same prompts; 'same as full' and 'F1 vs full' compare with the full cache's "
         "own answer; KV MB is the kept prompt cache per prompt.\n\n"
         + markdown_table(by_n, ("dataset", "num_docs", "method"), EVAL_COLUMNS)
@@ -333,8 +334,7 @@ def documents(tables: dict, figures: dict) -> None:
             )
         )
         + "\n\nAnswers differing: the prefix cache's against the same engine without it; the stored set's "
-        "against compressing each whole prompt with the same method (a different cache, by design)."
-        + _source(*sources)
+        "against compressing each whole prompt with the same method (a different cache, by design)." + _source(*sources)
     )
 
 
@@ -423,6 +423,104 @@ def build() -> dict[str, str]:
     return tables
 
 
+# --- the README's headline table -----------------------------------------------------------------
+
+README = ROOT / "README.md"
+HEADLINE_START = "<!-- headline results: made by `python -m docs.generate`; do not edit by hand -->"
+HEADLINE_END = "<!-- end of headline results -->"
+
+
+def _press(summary: dict, method: str, share: str) -> dict:
+    return next(r for r in summary["table"] if r["set"] == "all" and r["method"] == f"{method}@{share}")
+
+
+def _best_press(summary: dict, share: str) -> dict:
+    presses = [
+        r
+        for r in summary["table"]
+        if r["set"] == "all"
+        and r["share"] == share
+        and r["method"].startswith("kvpress:")
+        and r["n"] == summary["prompts"]
+    ]
+    return max(presses, key=lambda r: r["identical_to_full"])
+
+
+def headline() -> str:
+    """The README's small table of headline results, each figure from its result file."""
+    peer = _json(BENCH / "peer_presses" / "summary.json")
+    ahead = {share: _press(peer, "ours:lookahead", share) for share in ("25%", "50%")}
+    snap = _press(peer, "ours:snapkv", "50%")
+    best = {share: _best_press(peer, share) for share in ("25%", "50%")}
+    by_n, _ = _eval_records(EVALS / "cpu-2core", ("dataset", "num_docs", "method"))
+    cost = {r["num_docs"]: r for r in by_n if r["dataset"] == "nq" and r["method"] == "snapkv@25%"}
+    few, many = min(cost), max(cost)
+    idle = _json(BENCH / "cpu_decode_idle.json")
+    longest = max(idle["rows"], key=lambda r: r["prompt_tokens"])
+    kept = longest["methods"][f"snapkv@{idle['budgets'][0]}"]
+    decode = _json(GPU / "gpu_decode.json")
+    cells = decode["models"]["llama2-7b"]["cells"]
+    big = max(cells, key=lambda c: (c["size"], c["batch"]))
+    graph = [c["snapkv_compiled"]["decode_ms_per_token"] for c in cells if c["snapkv_compiled"]["status"] == "ok"]
+    concurrent = _json(GPU / "gpu_concurrent.json")["models"]["llama2-7b"]["cells"]
+    widest = max(concurrent, key=lambda c: c["batch"])
+    most = widest["snapkv_compiled"]
+    prefix, store = _json(BENCH / "prefix_cache.json")["summary"], _json(BENCH / "doc_store.json")["summary"]
+
+    def paired(r):
+        return f"{r['f1_minus_full']:+.3f} [{r['f1_minus_full_lo']:+.3f}, {r['f1_minus_full_hi']:+.3f}]"
+
+    rows = [
+        (
+            "Same answer as the full cache, 50% of the prompt kept (embedded 135M model, 300 NQ / HotpotQA prompts)",
+            f"lookahead SnapKV **{ahead['50%']['identical_to_full']:.2f}**, SnapKV {snap['identical_to_full']:.2f}, "
+            f"kvpress's best press {best['50%']['identical_to_full']:.2f}; at 25%: "
+            f"{ahead['25%']['identical_to_full']:.2f} against {best['25%']['identical_to_full']:.2f}",
+            "[methods](docs/methods.md#measured-against-kvpress), "
+            "[summary.json](benchmarks/results/peer_presses/summary.json)",
+        ),
+        (
+            "Answer F1 cost of SnapKV at 25% of the prompt (NQ, paired against the full cache)",
+            f"{paired(cost[few])} with {few} documents; {paired(cost[many])} with {many}",
+            "[evals](docs/evals.md), [cpu-2core](evals/results/cpu-2core/)",
+        ),
+        (
+            f"CPU decode at {longest['prompt_tokens']:,} tokens, SnapKV@{idle['budgets'][0]} (2 cores)",
+            f"**{kept['speedup_vs_full']:.2f}x** faster; KV cache {_mib(longest['methods']['full']['kv_bytes_kept'])} "
+            f"-> {_mib(kept['kv_bytes_kept'])} MiB",
+            "[benchmarks](docs/benchmarks.md#on-the-cpu), [cpu_decode_idle.json](benchmarks/results/cpu_decode_idle.json)",
+        ),
+        (
+            f"GPU memory at {big['size'] // 1024}K tokens x {big['batch']} ({decode['device']}, Llama-2-7B shape)",
+            f"SnapKV@{decode['budget']} **{big['snapkv']['peak_bytes'] / 2**30:.1f} GiB** against the full cache's "
+            f"{big['full']['peak_bytes'] / 2**30:.1f} GiB; CUDA-graph step {min(graph):.1f}-{max(graph):.1f} ms/token "
+            f"from {min(decode['sizes']) // 1024}K to {max(decode['sizes']) // 1024}K",
+            "[benchmarks](docs/benchmarks.md#on-a-gpu), [gpu_decode.json](benchmarks/results/gpu-h200-3/gpu_decode.json)",
+        ),
+        (
+            f"{widest['batch']} concurrent {widest['size'] // 1024}K-token requests, same GPU",
+            f"**{most['tokens_per_s']:,.0f} tokens/s**, {most['tokens_per_s_vs_one_request']:.1f}x one request's",
+            "[gpu_concurrent.json](benchmarks/results/gpu-h200-3/gpu_concurrent.json)",
+        ),
+        (
+            f"Follow-up questions over the same documents (CPU, {prefix['documents']} documents, "
+            f"{prefix['prompt_tokens']:,}-token prompts)",
+            f"first token **{prefix['ratio_later_median']:.1f}x** sooner from the prefix cache; "
+            f"{store['ratio_later_median']:.1f}x from a stored set compressed to {store['stored_share']:.2f} of the bytes",
+            "[documents](docs/documents.md), [prefix_cache.json](benchmarks/results/prefix_cache.json), "
+            "[doc_store.json](benchmarks/results/doc_store.json)",
+        ),
+    ]
+    lines = ["| what | result | where |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def readme_with_headline(text: str) -> str:
+    """``text`` (the README) with the block between the headline markers replaced by :func:`headline`."""
+    start, end = text.index(HEADLINE_START) + len(HEADLINE_START), text.index(HEADLINE_END)
+    return text[:start] + "\n" + headline() + "\n" + text[end:]
+
+
 # --- figures ------------------------------------------------------------------------------------
 
 
@@ -432,16 +530,24 @@ def _gpu_figure(spec: dict, path: Path) -> None:
     fig, (speed_ax, memory_ax, rate_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
     for method, label in GPU_METHODS.items():
         for batch, style in ((1, "-"), (2, ":")):
-            points = sorted((p["tokens"], p["ms_per_token"]) for p in spec["speed"] if p["method"] == method and p["batch"] == batch)
+            points = sorted(
+                (p["tokens"], p["ms_per_token"]) for p in spec["speed"] if p["method"] == method and p["batch"] == batch
+            )
             if points:
                 speed_ax.plot(*zip(*points), style, marker="o", label=f"{label}, batch {batch}")
     speed_ax.set(title="decode step", xlabel="prompt tokens", ylabel="ms per token", xscale="log", ylim=(0, None))
     for method in ("full", "snapkv"):
         for batch, style in ((1, "-"), (2, ":")):
-            points = sorted((p["tokens"], p["peak_gib"]) for p in spec["memory"] if p["method"] == method and p["batch"] == batch)
+            points = sorted(
+                (p["tokens"], p["peak_gib"]) for p in spec["memory"] if p["method"] == method and p["batch"] == batch
+            )
             if points:
-                memory_ax.plot(*zip(*points), style, marker="o", label=f"{GPU_METHODS[method].split(',')[0]}, batch {batch}")
-    memory_ax.set(title="peak device memory (eager)", xlabel="prompt tokens", ylabel="GiB", xscale="log", ylim=(0, None))
+                memory_ax.plot(
+                    *zip(*points), style, marker="o", label=f"{GPU_METHODS[method].split(',')[0]}, batch {batch}"
+                )
+    memory_ax.set(
+        title="peak device memory (eager)", xlabel="prompt tokens", ylabel="GiB", xscale="log", ylim=(0, None)
+    )
     for method, label in GPU_METHODS.items():
         points = sorted((p["requests"], p["tokens_per_s"]) for p in spec["throughput"] if p["method"] == method)
         if points:
@@ -502,6 +608,11 @@ def write(out: Path = OUT, force: bool = False) -> list[Path]:
         if force or not path.exists() or old.get(name) != spec:
             draw(name, spec, path)
             written.append(path)
+    if out == OUT:
+        text = README.read_text(encoding="utf-8")
+        if readme_with_headline(text) != text:
+            README.write_text(readme_with_headline(text), encoding="utf-8")
+            written.append(README)
     return written
 
 
@@ -510,6 +621,9 @@ def stale(out: Path = OUT) -> list[str]:
     files = build()
     names = [n for n, text in files.items() if not (out / n).exists() or (out / n).read_text(encoding="utf-8") != text]
     names += [n for n in json.loads(files["plots.json"]) if not (out / n).exists()]
+    text = README.read_text(encoding="utf-8")
+    if readme_with_headline(text) != text:
+        names.append("../../README.md (its headline table)")
     return names
 
 

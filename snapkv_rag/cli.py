@@ -364,7 +364,7 @@ def cmd_demo(args) -> int:
         )
     else:
         print('\nHow the gains grow with the prompt, on a GPU: docs/benchmarks.md, "Performance".')
-    print(f'Quality against budget, in plots/fidelity_vs_budget.png (docs/evals.md): {DEMO_EVAL}')
+    print(f"Quality against budget, in plots/fidelity_vs_budget.png (docs/evals.md): {DEMO_EVAL}")
     return 0
 
 
