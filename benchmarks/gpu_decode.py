@@ -267,6 +267,7 @@ class Run:
             max_batch=max(self.args.batches),
             compile=False if kind == "eager" else compile_mode,
         )
+        llm.runner.decode_attention = self.args.decode_attention
         small = 2 * self.args.budget
         if kind == "graph":
             entry["compile_s"] = self.compile(name, llm, cost)
@@ -548,6 +549,13 @@ def parse(argv=None) -> argparse.Namespace:
         default="True",
         help="the engines' compile= for the graph methods: True (default) or a torch.compile mode name",
     )
+    p.add_argument(
+        "--decode-attention",
+        choices=["sdpa", "split"],
+        default="sdpa",
+        help="the compiled step's attention over the slots: torch's kernel (default) or plain ops "
+        "inductor fuses into split reductions",
+    )
     args = p.parse_args(argv)
     args.budget = args.budget or (64 if args.tiny else 1024)
     if args.concurrent:
@@ -567,9 +575,11 @@ def main(argv=None) -> int:
     args = parse(argv)
     device = Device(args.device)
     if args.compile_estimate_s is None:
-        # CUDA with compile=True captures CUDA graphs (seconds; an H200 failed its first capture at 1.7 s);
-        # a torch.compile mode, or the CPU, compiles with inductor (minutes)
-        args.compile_estimate_s = 20.0 if device.cuda and args.compile_mode is True else 120.0 if device.cuda else 60.0
+        # CUDA with compile=True compiles the step with inductor and captures it in CUDA graphs (about a
+        # minute, guessed: not yet measured); "eager-graph" captures only (seconds; an H200 took 1.7 s);
+        # another torch.compile mode, or the CPU, compiles with inductor (minutes)
+        captured_only = device.cuda and args.compile_mode == "eager-graph"
+        args.compile_estimate_s = 20.0 if captured_only else 90.0 if device.cuda else 60.0
     models, names = pick_models(args.models, args.tiny)
     dtype = torch.float32 if (args.tiny and not device.cuda) else torch.bfloat16
     compile_mode = None if args.no_compile else args.compile_mode
