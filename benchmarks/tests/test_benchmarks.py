@@ -339,6 +339,22 @@ def test_step_overhead_quick_counts_operators_and_times_both_sides(tmp_path: Pat
     assert set(report["targets"]) == {"batch_1", "batch_2"}
 
 
+@pytest.mark.skipif(not _embedded_model_available(), reason="the embedded model's tokenizer is not installed or cached")
+def test_fused_step_quick_times_both_steps_and_counts_the_compiled_kernels(tmp_path: Path) -> None:
+    out = tmp_path / "fused.json"
+    _run("fused_step.py", "--quick", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert [row["batch"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["compiled_ms_per_step"] > 0 and row["transformers_eager_ms_per_step"] > 0
+        assert row["ratio"] == pytest.approx(row["compiled_ms_per_step"] / row["transformers_eager_ms_per_step"])
+        # one graph, read from inductor's code: per layer at least its matmuls and attention
+        assert row["extern_calls_per_layer"] >= 7 and row["inductor_kernels_per_layer"] > 0
+        assert row["graph_breaks"] == 0 and row["graphs_compiled_after_warmup"] == 0 and row["fallback"] is None
+        assert row["view_slots"] < row["allocated_slots"]  # the step read the rows' slots, not the allocation
+    assert set(report["targets"]) == {"batch_1", "batch_2"}
+
+
 def _gone(pid: int) -> bool:
     import psutil
 
