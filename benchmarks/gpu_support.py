@@ -1,6 +1,8 @@
-"""What ``gpu_decode.py`` builds on: prompts of exact length, the device (timing, memory), the
-bandwidth floor, a cost model that says whether a cell fits the time and memory left, and a
-results file rewritten atomically after every cell with a watchdog that ends the run on time.
+"""What ``gpu_decode.py`` and ``gpu_transformers.py`` build on: the random-weight model shapes,
+prompts of exact length, the device (timing, memory), the bandwidth floor, kernels counted per
+decode step with ``torch.profiler``, a summary of torch.compile's counters, a cost model that says
+whether a cell fits the time and memory left, and a results file rewritten atomically after every
+cell with a watchdog that ends the run on time.
 
 Nothing here needs the package installed: the scripts put the repository root on ``sys.path``.
 """
@@ -18,6 +20,86 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
+
+WARM_STEPS = 3  # decode steps left out of the steady-state figure (first use, CUDA-graph capture)
+
+# ---------------------------------------------------------------- models
+MODELS = {  # the issue's model first: Llama-3.1-8B's shape (GQA 32/8 heads, vocab 128256) is the primary one
+    "llama3-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+    },
+    "llama2-7b": {  # MHA, as the paper's LWM-7B
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+        "rope_theta": 10000.0,
+    },
+}
+TINY_MODELS = {
+    "tiny-gqa": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 4096,
+        "rope_theta": 10000.0,
+    },
+    "tiny-mha": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 4096,
+        "rope_theta": 10000.0,
+    },
+}
+
+
+def pick_models(names: list[str] | None, tiny: bool) -> tuple[dict, list[str]]:
+    """The shapes table and the names to run (default: the primary model alone; tiny: both)."""
+    models = TINY_MODELS if tiny else MODELS
+    names = names or (list(models) if tiny else [next(iter(models))])
+    unknown = [n for n in names if n not in models]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; choose from {list(models)}")
+    return models, names
+
+
+def build_model(shape: dict, device: Device, dtype: torch.dtype, tokenizer):
+    """A random-weight Llama of ``shape`` on the device whose answers never end early."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = dict(shape)
+    theta = shape.pop("rope_theta")
+    config = LlamaConfig(
+        **shape,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        max_position_embeddings=2**22,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    with device.device:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    with torch.no_grad():  # random weights must not stop: the EOS logit is 0, the largest of 30K+ is not
+        model.lm_head.weight[tokenizer.eos_token_id].zero_()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
 
 # ids 0-2 as in the embedded model's tokenizer (the tests' tiny models take 2 as end and padding)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<pad>"]
@@ -185,6 +267,87 @@ def floor_ms(weights: int, kv_per_token: int, batch: int, cached: float, bandwid
     return int(read), 1000 * read / bandwidth
 
 
+# ---------------------------------------------------------------- kernels per step
+def profiled_counts(action, device: Device) -> dict:
+    """What ``action`` launches, from ``torch.profiler``: on CUDA the kernels on the device (copies and
+    memsets apart; kernels replayed from a CUDA graph count one by one), on the CPU (the tiny test:
+    there are no kernels) the top-level aten operators, of every thread (the engine decodes in its
+    worker thread)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    options: dict = {"activities": [ProfilerActivity.CUDA] if device.cuda else [ProfilerActivity.CPU]}
+    if not device.cuda:
+        try:
+            options["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        except (AttributeError, TypeError):  # an older torch: the calling thread's operators only
+            pass
+    with profile(**options) as prof:
+        action()
+        device.sync()
+    if device.cuda:
+        names = [e.name() for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA]
+        copies = sum(n.startswith(("Memcpy", "Memset")) for n in names)
+        return {"kernels": len(names) - copies, "copies": copies}
+    top = [
+        e
+        for e in prof.events()
+        if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    ]
+    return {"kernels": len(top), "copies": 0}
+
+
+def kernels_per_step(generate, short: int, long: int, layers: int, device: Device) -> dict:
+    """Kernels of one decode step, per layer: ``generate(n)`` decodes ``n`` new tokens after the same
+    prefill; the difference between ``long`` and ``short`` tokens, over ``long - short``, leaves the
+    prefill (and any per-request work) out. ``generate(short)`` runs once unprofiled first."""
+    generate(short)
+    a = profiled_counts(lambda: generate(short), device)
+    b = profiled_counts(lambda: generate(long), device)
+    steps = long - short
+    per_step = (b["kernels"] - a["kernels"]) / steps
+    return {
+        # nothing counted (the profiler saw no kernels: no CUPTI, or a CUDA graph's replay unseen) is no figure
+        "status": "ok" if per_step > 0 else "no kernels counted",
+        "counted": "CUDA kernels (copies apart)" if device.cuda else "top-level aten operators (CPU: no kernels)",
+        "kernels_per_step": per_step,
+        "kernels_per_layer": per_step / layers,
+        "copies_per_step": (b["copies"] - a["copies"]) / steps,
+        "new_tokens": [short, long],
+        "counts": [a, b],
+    }
+
+
+def dynamo_summary() -> dict:
+    """torch.compile's counters so far in this process: graph breaks, graphs, recompiles (and why)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError as error:
+        return {"error": str(error)}
+    try:
+        from torch._dynamo import guard_failures
+    except ImportError:
+        guard_failures = {}
+    breaks = Counter(counters.get("graph_break", {}))
+    # each reason's first line (the guard that failed; the user stack trace after it names local files)
+    reasons = [
+        str(r).strip().splitlines()[0][:200] for failures in guard_failures.values() for r in failures if str(r).strip()
+    ]
+    return {
+        "graph_breaks": sum(breaks.values()),
+        "graph_break_reasons": {
+            str(k).strip().splitlines()[0][:200]: v for k, v in breaks.most_common(5) if str(k).strip()
+        },
+        "unique_graphs": counters.get("stats", {}).get("unique_graphs", 0),
+        "recompiles": len(reasons),
+        "recompile_reasons": reasons[:5],
+        "counters": {
+            section: {str(k)[:120]: v for k, v in Counter(values).most_common(8)}
+            for section, values in counters.items()
+            if values
+        },
+    }
+
+
 # ---------------------------------------------------------------- what a cell costs
 class CostModel:
     """Predicts a cell's seconds and bytes before it runs.
@@ -221,8 +384,11 @@ class CostModel:
         and a second of prompt building and bookkeeping."""
         return prefills * batch * self.prefill_flops(tokens) / self.rate + steps * 3 * step_ms / 1000 + 1.0
 
-    def bytes_needed(self, tokens: int, batch: int, steps: int) -> int:
-        kv = self.kv_per_token * (tokens + steps) * (1 + 1 / self.layers)
+    def bytes_needed(self, tokens: int, batch: int, steps: int, budget: int | None = None) -> int:
+        """Bytes above the weights: the kept cache of every layer (all ``tokens``, or ``budget`` of them
+        under SnapKV) plus one layer's whole prompt while it is compressed or moved, and activations."""
+        kept = tokens if budget is None else min(tokens, budget)
+        kv = self.kv_per_token * ((kept + steps) + tokens / self.layers)
         activations = self.ACTIVATION_COPIES * self.hidden * self.itemsize * tokens
         return int(batch * (kv + activations))
 

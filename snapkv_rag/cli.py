@@ -187,13 +187,13 @@ DEMO_DEFAULTS = {**COMPRESSION_DEFAULTS, "method": "lookahead", "budget": 0.5}
 """The demo's cache: lookahead SnapKV keeping 50% of the prompt. In the project's evals on the
 embedded model it kept the full cache's answer most often of every method at 50% (0.81 of 300
 NQ / HotpotQA prompts, SnapKV 0.66; 0.81 of 200 NQ prompts of 10 and 20 passages, SnapKV 0.73:
-README.md, "Choosing a method"), with SnapKV's bytes at the same budget. At 25% it kept 0.55 (SnapKV
+docs/methods.md, "Choosing a method"), with SnapKV's bytes at the same budget. At 25% it kept 0.55 (SnapKV
 0.39): too few for a demo's default."""
 DEMO_DOCS = 20
 """Passages per prompt by default: 2,100 to 2,900 tokens for the bundled questions, as the evals' NQ N=20 prompts."""
 DEMO_WHY = (
     "in the project's evals on the embedded model it kept the full cache's answer on 0.81 of 300 NQ / HotpotQA "
-    'prompts, the most of any method (SnapKV at 50%: 0.66; README.md, "Choosing a method")'
+    'prompts, the most of any method (SnapKV at 50%: 0.66; docs/methods.md, "Choosing a method")'
 )
 DEMO_EVAL = "snapkv-rag eval --num-docs 20 --gold-positions middle --methods lookahead,snapkv --budgets 25%,50%,75%"
 """The eval run (a source checkout) whose ``plots/fidelity_vs_budget.png`` is the quality-vs-budget curve
@@ -312,7 +312,7 @@ def cmd_demo(args) -> int:
     The compressed cache is lookahead SnapKV at 50% of the prompt by default (:data:`DEMO_DEFAULTS`:
     the method and budget the project's evals show keep the embedded model's answers most often).
     Every figure is measured on this machine as it runs. On a CPU the model's weights dominate a
-    decode step, so the KV memory ratio is the headline; the speed gains show on a GPU (README.md,
+    decode step, so the KV memory ratio is the headline; the speed gains show on a GPU (docs/benchmarks.md,
     "Performance")."""
     records = demo_records()
     most = min(len(r["distractors"]) + 1 for r in records)
@@ -360,11 +360,11 @@ def cmd_demo(args) -> int:
         _say(
             f"On this CPU each decode step reads all {weights / 1e6:,.0f} MB of weights whatever the cache holds, "
             f"so the KV memory ratio is the headline here; the speed gains show on a GPU and with longer prompts: "
-            f'README.md, "Performance".'
+            f'docs/benchmarks.md, "Performance".'
         )
     else:
-        print('\nHow the gains grow with the prompt, on a GPU: README.md, "Performance".')
-    print(f'Quality against budget, in plots/fidelity_vs_budget.png (README.md, "Evals"): {DEMO_EVAL}')
+        print('\nHow the gains grow with the prompt, on a GPU: docs/benchmarks.md, "Performance".')
+    print(f"Quality against budget, in plots/fidelity_vs_budget.png (docs/evals.md): {DEMO_EVAL}")
     return 0
 
 
@@ -498,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"cache's, all measured on this machine. The default compression is lookahead SnapKV at 50% of the "
         f"prompt: {DEMO_WHY}. On a CPU the "
         "weights dominate each decode step, so the memory ratio is the headline; the speed gains show on a "
-        'GPU (README.md, "Performance"). Answers stop at the first newline, as in the evals.',
+        'GPU (docs/benchmarks.md, "Performance"). Answers stop at the first newline, as in the evals.',
     )
     demo.add_argument(
         "--docs",

@@ -103,7 +103,8 @@ class SnapKVLLM:
     wrapper (identical for other callers); :meth:`close` switches it back. ``snapkv`` is the
     default compression (``False``/``None``: full cache). ``prefill_chunk`` runs each MLP over a
     long prompt in slices of that many tokens; ``compile=True`` (or a ``torch.compile`` mode name)
-    decodes from fixed-size buffers through a compiled step. ``max_batch`` requests decode together
+    decodes from fixed-size buffers through a step compiled by ``torch.compile``, on CUDA replayed
+    from CUDA graphs (``"eager-graph"``: the eager step captured, not compiled). ``max_batch`` requests decode together
     at most (1: one at a time); ``max_kv_bytes`` bounds their caches (approximately); more requests
     wait in arrival order. ``prefix_cache_bytes`` bounds the document prefix cache (1 GiB, 0: none)
     shared by every caller: a prompt whose instruction + documents were prefilled before prefills only

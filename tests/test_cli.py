@@ -279,7 +279,7 @@ def test_demo_on_a_tiny_model_prints_both_caches_and_their_ratios(tmp_path, tiny
     assert all(re.fullmatch(r"\d+\.\d\dx|-", rows[name][2]) for name in ("decode", "time to first token"))
     assert "Why" not in out.stdout  # the eval's numbers are said of the default only
     said = " ".join(out.stdout.split())  # the prose is wrapped
-    assert 'speed gains show on a GPU and with longer prompts: README.md, "Performance"' in said
+    assert 'speed gains show on a GPU and with longer prompts: docs/benchmarks.md, "Performance"' in said
     assert "plots/fidelity_vs_budget.png" in said and "snapkv-rag eval --num-docs 20" in said
 
 

@@ -31,16 +31,16 @@ class OpCounter(TorchDispatchMode):
 
 
 def watch_steps(llm: SnapKVLLM, count_ops: bool) -> tuple[OpCounter, set]:
-    """Wrap the runner's decode step: the (batch bucket, rows allocated, capacity) of every step (one
-    compiled graph each at most), and its operators."""
+    """Wrap the runner's decode step: the (batch bucket, rows allocated, capacity, view length) of
+    every step (one compiled graph each at most), and its operators."""
     counter, buckets, step = OpCounter(), set(), llm.runner.decode_step
 
-    def watched(slots, b, pick=None):
-        buckets.add((b, slots.rows, slots.capacity))
+    def watched(slots, b, *args):
+        buckets.add((b, slots.rows, slots.capacity, slots.view_length(b)))
         if not count_ops:
-            return step(slots, b, pick)
+            return step(slots, b, *args)
         with counter:
-            return step(slots, b, pick)
+            return step(slots, b, *args)
 
     llm.runner.decode_step = watched
     return counter, buckets
@@ -88,13 +88,16 @@ def test_sixteen_requests_join_and_leave_a_compiled_batch(tiny_model, tokenizer,
     assert max(r.timings.batch_size for r in got) == 4  # rows left and others joined mid-run
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert 1 <= counters["stats"]["unique_graphs"] <= len(buckets), (dict(counters["stats"]), buckets)
-    assert {b for b, _, _ in buckets} <= {1, 2, 4}
+    assert {b for b, _, _, _ in buckets} <= {1, 2, 4}
+    # each step read its rows' slots in use, not the whole allocation
+    assert all(length <= capacity for _, _, capacity, length in buckets)
+    assert any(length < capacity for _, _, capacity, length in buckets)
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_a_decode_step_never_waits_for_the_device(tiny_model, tokenizer, compile):
-    """No ``.item()`` / ``nonzero`` (host syncs) inside a step: its one host copy is after it."""
-    llm = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, compile=compile, max_batch=4)
+def test_an_eager_decode_step_never_waits_for_the_device(tiny_model, tokenizer):
+    """No ``.item()`` / ``nonzero`` (host syncs) inside a step: its one host copy is after it. (The
+    compiled step is one graph, ``fullgraph=True``: a host sync would be a graph break, an error.)"""
+    llm = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, max_batch=4)
     counter, _ = watch_steps(llm, count_ops=True)
     try:
         run_together(llm, workload(4))
@@ -102,3 +105,36 @@ def test_a_decode_step_never_waits_for_the_device(tiny_model, tokenizer, compile
         llm.close()
     assert counter.ops["index_put_"] > 0  # the counter saw the steps' own operators
     assert {op: counter.ops[op] for op in SYNCS} == {op: 0 for op in SYNCS}
+
+
+def test_sampled_rows_pick_inside_the_compiled_step_as_eager_ones_do(tiny_model, tokenizer, plain):
+    """Temperature and top-p rows are sampled inside the compiled step: each seeded request gets the
+    tokens it gets from the eager engine, alone or beside greedy rows."""
+    args = [
+        dict(a, temperature=t, top_p=p, seed=7 + i)
+        for i, (a, (t, p)) in enumerate(zip(workload(4), [(0.9, 1.0), (0.0, 1.0), (0.8, 0.7), (1.2, 0.9)]))
+    ]
+    alone = [plain.generate(a["question"], **{k: v for k, v in a.items() if k != "question"}) for a in args]
+    compiled = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, compile=True, max_batch=4)
+    try:
+        got = run_together(compiled, args)
+    finally:
+        compiled.close()
+    assert compiled.runner.fallback is None
+    assert [r.text for r in got] == [r.text for r in alone]
+
+
+def test_the_split_decode_attention_answers_as_torch_attention_does(tiny_model, tokenizer, plain):
+    """``decode_attention="split"`` (plain ops that inductor fuses into split reductions over the
+    slots): the same answers as the eager engine, rows of unequal lengths in one batch."""
+    args = workload(4)
+    alone = [plain.generate(a["question"], **{k: v for k, v in a.items() if k != "question"}) for a in args]
+    compiled = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, compile=True, max_batch=4)
+    compiled.runner.decode_attention = "split"
+    torch._dynamo.reset()
+    try:
+        got = run_together(compiled, args)
+    finally:
+        compiled.close()
+    assert compiled.runner.fallback is None
+    assert [r.text for r in got] == [r.text for r in alone]

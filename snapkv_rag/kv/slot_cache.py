@@ -8,10 +8,13 @@ into the lowest free row, each layer right-aligned to the row's longest layer, s
 index per row (``write_at``) serves every layer; nothing of another row is copied. A row that
 leaves is freed by metadata (its index and position reset on the device).
 
-A decode step runs rows ``[0, b)`` for a batch bucket ``b``: :meth:`SlotCache.begin_step` marks the
-slot each row writes and derives every layer's mask from ``positions`` in a few device ops (a
-sliding layer also drops what left its window), without a host sync; :meth:`SlotCache.end_step`
-advances the rows in use. A row of the bucket holding no request writes at its slot 0 and attends
+A decode step runs rows ``[0, b)`` for a batch bucket ``b`` over the first ``length`` slots of each
+row (:meth:`SlotCache.view_length`: the longest row's slots in use, rounded up to a coarse grain), so
+that a step reads what the rows hold, not the allocation: a buffer grown for a 64K prompt and holding
+16K costs 16K of reads. :meth:`SlotCache.begin_step` marks the slot each row writes and derives every
+layer's mask from ``positions`` in a few device ops (a sliding layer also drops what left its
+window), without a host sync; :meth:`SlotCache.end_step` advances the rows in use on the device, and
+:meth:`SlotCache.stepped` counts the step on the host. A row of the bucket holding no request writes at its slot 0 and attends
 to it: its numbers stay finite and its token is ignored.
 
 Recurrent layers (Mamba / linear attention / conv state) keep their states per row, in
@@ -36,6 +39,7 @@ from .row_states import RowStates, StateLayer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
 MIN_CAPACITY = 256
+MIN_GRAIN = 64  # the finest step of a decode view's length (in slots)
 log = logging.getLogger("snapkv_rag")
 
 
@@ -45,6 +49,14 @@ def bucket(needed: int) -> int:
     while size < needed:
         size *= 2
     return size
+
+
+def view_bucket(needed: int) -> int:
+    """``needed`` slots rounded up to a grain of 1/16 of its power of two (at least ``MIN_GRAIN``):
+    a step reads at most ~6% more than the rows hold, and a CUDA graph captured per view length is
+    replaced at most once every ~6% of the rows' growth."""
+    grain = max(MIN_GRAIN, 1 << max(needed.bit_length() - 5, 0))
+    return -(-needed // grain) * grain
 
 
 def capacity_bucket(needed: int) -> int:
@@ -58,7 +70,8 @@ def capacity_bucket(needed: int) -> int:
 
 class SlotLayer(DynamicLayer):
     """One attention layer's slots. ``update`` (called by the model's attention) writes the step's
-    token at each row's write index and returns the whole buffer of the bucket's rows."""
+    token at each row's write index and returns the step's view of the buffer: the bucket's rows,
+    their first ``length`` slots (the width of the step's masks)."""
 
     def __init__(self, spec: LayerSpec, cache: SlotCache, index: int):
         super().__init__()
@@ -66,13 +79,12 @@ class SlotLayer(DynamicLayer):
         self.is_sliding = spec.kind == SLIDING
         self.sliding_window = spec.window
         self.keys = self.values = None
-        self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # batch bucket -> its rows' buffers
 
     def update(self, key_states, value_states, *args, **kwargs):
-        keys, values = self.views[key_states.shape[0]]
-        keys.index_put_(self.cache.step_index, key_states)
-        values.index_put_(self.cache.step_index, value_states)
-        return keys, values
+        b, length = key_states.shape[0], self.cache.masks[self.index].shape[-1]
+        self.keys.index_put_(self.cache.step_index, key_states)  # into the buffer itself, not a view of it
+        self.values.index_put_(self.cache.step_index, value_states)
+        return self.keys[:b, :, :length], self.values[:b, :, :length]
 
     def get_seq_length(self) -> int:
         """Slots held by the longest row in use (host bookkeeping: no device read)."""
@@ -125,6 +137,9 @@ class SlotCache(LayerTrackingCache):
         self.held: dict[int, list[int]] = {}  # row in use -> prompt slots per attention layer
         self.decoded: dict[int, int] = {}  # row in use -> tokens decoded into it
         self.recorder = None  # called as recorder(layer_idx, query, keys, scoring) by eager decode steps
+        # a compiled step's attention: "sdpa" (torch's kernel) or "split" (plain ops inductor fuses
+        # into split reductions over the slots, see runtime.attention.fused_decode_attention)
+        self.decode_attention = "sdpa"
         self.record_s = 0.0
         self.generation = 0  # bumped by every allocation: a captured graph belongs to one
         self.masks: tuple[torch.Tensor, ...] = ()
@@ -229,7 +244,7 @@ class SlotCache(LayerTrackingCache):
             if layer.keys is not None:
                 keys[: self.rows, :, : self.capacity] = layer.keys
                 values[: self.rows, :, : self.capacity] = layer.values
-            layer.keys, layer.values, layer.views = keys, values, _views(keys, values, new_rows)
+            layer.keys, layer.values = keys, values
             written.add(layer.index)
             if write is not None:
                 write(layer)
@@ -266,12 +281,12 @@ class SlotCache(LayerTrackingCache):
                     layer.keys[: self.rows, :, : self.capacity],
                     layer.values[: self.rows, :, : self.capacity],
                 )
-                layer.keys, layer.values, layer.views = keys, values, _views(keys, values, self.rows)
+                layer.keys, layer.values = keys, values
 
     def _release(self) -> None:
         self.rows = self.capacity = 0
         for layer in self.attention:
-            layer.keys, layer.values, layer.views = None, None, {}
+            layer.keys, layer.values = None, None
         self.states.release()
 
     # ------------------------------------------------------------ one step (device ops only)
@@ -281,15 +296,25 @@ class SlotCache(LayerTrackingCache):
         whose linear-attention layers read the mask."""
         return None if self.recurrent else self._no_mask[:b]
 
-    def begin_step(self, b: int) -> torch.Tensor:
-        """Prepare rows ``[0, b)`` for a step: each row's slot to write holds its next position, and
-        every layer's mask ``[b, H_kv, 1, capacity]`` says what it may attend to. Returns the
-        positions ``[b]`` of the tokens fed."""
+    def view_length(self, b: int) -> int:
+        """The slots a step over rows ``[0, b)`` reads (host bookkeeping, no device read): those the
+        longest row holds after the step writes, rounded up by :func:`view_bucket`, within the
+        allocation. A row's slots in use are its prompt's (right-aligned to its longest layer) and
+        its decoded tokens'."""
+        needed = max(
+            (max(held, default=0) + self.decoded[row] + 1 for row, held in self.held.items() if row < b), default=1
+        )
+        return min(self.capacity, view_bucket(needed))
+
+    def begin_step(self, b: int, length: int | None = None) -> torch.Tensor:
+        """Prepare rows ``[0, b)`` for a step over their first ``length`` slots (default: the whole
+        allocation): each row's slot to write holds its next position, and every layer's mask
+        ``[b, H_kv, 1, length]`` says what it may attend to. Returns the positions ``[b]`` of the tokens fed."""
         rows, write, position = self.row_index[:b], self.write_at[:b, None, None], self.next_position[:b]
         self.states.bind(b)
         self.step_index = (rows, self.heads, write)  # [b, H_kv, 1]: the slot of each row and head
         self.positions[:, rows, self.heads, write] = position[:, None, None]
-        held = self.positions[:, :b]
+        held = self.positions[:, :b, :, : self.capacity if length is None else length]
         if self.sliding:  # a slot is seen while its position is inside the layer's window
             lower = (position[None, :] - self.window).clamp(min=-1)
             self.masks = (held > lower[:, :, None, None]).unsqueeze(3).unbind(0)
@@ -302,10 +327,11 @@ class SlotCache(LayerTrackingCache):
         self.write_at[:b] += self.active[:b]
         self.next_position[:b] += self.active[:b]
 
-
-def _views(keys: torch.Tensor, values: torch.Tensor, rows: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Each batch bucket's first rows of a layer's buffers."""
-    return {n: (keys[:n], values[:n]) for n in {min(bucket(r), rows) for r in range(1, rows + 1)}}
+    def stepped(self, b: int) -> None:
+        """The host's side of a step over rows ``[0, b)``: each row in use among them decoded one more token."""
+        for row in self.decoded:
+            if row < b:
+                self.decoded[row] += 1
 
 
 def request_states(compressed: Compressed, specs: list[LayerSpec]) -> dict:

@@ -180,7 +180,7 @@ def cpu_has_native_bfloat16() -> bool:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     """``dtype`` as a torch dtype: by default bfloat16 on CUDA and float32 on the CPU, where
-    bfloat16 changed 17 of 87 of the embedded model's greedy answers on NQ prompts (README, "dtype").
+    bfloat16 changed 17 of 87 of the embedded model's greedy answers on NQ prompts (docs/engine.md, "dtype").
     A dtype given always wins; bfloat16 asked for on a CPU that only emulates it is said in the log."""
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32

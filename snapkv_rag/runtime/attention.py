@@ -98,6 +98,26 @@ def grouped_sdpa(module, query, key, value, mask, scaling):
     return out.reshape(b, 1, heads, value.shape[-1]), None
 
 
+def fused_decode_attention(module, query, key, value, mask, scaling):
+    """One decode token over a slot cache, written as plain tensor ops for the compiler to fuse (the
+    compiled step only, with ``decode_attention="split"``: eager, it would hold a ``[B, H, S, D]``
+    product; on the CPU inductor's reductions are slower than torch's attention kernel): scores as a reduction over
+    the head size, the masked softmax, and the weighted sum over the slots as a second reduction.
+    Inductor turns each into one kernel and splits a long reduction over many blocks (split-K, as
+    flash-decoding does), where an attention kernel runs one block per KV head at batch 1. The query
+    heads sharing a KV head read it together (``[B, H_kv, H/H_kv, ...]``), in float32. Returns
+    ``[B, 1, H, D]`` as transformers expects."""
+    b, heads, _, d = query.shape
+    h_kv = key.shape[1]
+    grouped = query.reshape(b, h_kv, heads // h_kv, 1, d).float()
+    scale = scaling if scaling is not None else module.scaling
+    scores = (grouped * key[:, :, None].float()).sum(-1) * scale  # [B, H_kv, G, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs[..., None] * value[:, :, None].float()).sum(-2)  # [B, H_kv, G, D]
+    return out.to(query.dtype).reshape(b, 1, heads, value.shape[-1]), None
+
+
 def grouped_tail_sdpa(module, query, key, value, mask, scaling):
     """A few queries over a cached prefix on the CPU (lookahead's draft passes, a question's tail):
     torch's SDPA with grouped heads (``enable_gqa``) under the model's mask, where transformers would
@@ -159,7 +179,9 @@ def _make_wrapper(base: str):
             return _base_function(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
         valid = cache.masks[layer.index]
         if base != "eager" and _plain(kwargs, query, key, value):
-            output = grouped_sdpa(module, query, key, value, valid, kwargs.get("scaling"))
+            split = cache.decode_attention == "split" and torch.compiler.is_compiling()
+            plain = fused_decode_attention if split else grouped_sdpa
+            output = plain(module, query, key, value, valid, kwargs.get("scaling"))
         else:  # soft-cap, sinks, latent heads: the base attention with the mask per query head
             function = _base_function("sdpa" if base == "flash_attention_2" else base, module)
             output = function(module, query, key, value, _decode_mask(valid, query, base), *args, **kwargs)

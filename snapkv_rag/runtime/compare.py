@@ -94,7 +94,7 @@ class _Recorder:
         valid = self.slots.masks[layer.index][r, 0, 0]  # [1, S]: the slots this row attends to
         probs = compression.attention_probs(query[r, :, -1:, :], keys[r], valid, **scoring.as_kwargs())
         probs = probs.sum(dim=-2).mean(dim=2)  # [1, H_kv, S]
-        positions = self.slots.positions[layer.index, r]
+        positions = self.slots.positions[layer.index, r, :, : valid.shape[-1]]  # the step's view of the row
         if probs.shape[1] != positions.shape[1]:  # latent attention: one latent for all heads
             probs = probs.mean(dim=1, keepdim=True)
             positions = positions[:, :1]

@@ -16,10 +16,18 @@ cache, a prompt whose prefix was prefilled before runs only its rest on top of t
 :class:`~snapkv_rag.kv.slot_cache.SlotCache` and picks the next tokens on the device: greedy inside the
 step; rows that sample or follow a grammar are picked by the caller's ``pick`` after it.
 
-With ``compile``, the step of each (batch bucket, cache allocation) is compiled once, lazily at its
-first use (the time is logged once per bucket): on CUDA ``compile=True`` captures the whole greedy
-step (forward + argmax) in a ``torch.cuda.CUDAGraph`` and replays it; a ``torch.compile`` mode name,
-or any other device, runs the same step function through ``torch.compile``.
+A step reads each row's slots in use, not the allocation (:meth:`SlotCache.view_length`), and picks
+its tokens inside itself: greedy, or sampled from each row's own settings
+(:class:`~snapkv_rag.runtime.sampling.SamplingSlots`); only rows under a grammar (or asking for
+logprobs) take the logits out to the caller's ``pick``.
+
+With ``compile``, the step goes through ``torch.compile`` (inductor, ``fullgraph=True``): one
+function for every batch bucket and view length (those sizes become symbolic after their first
+change, so a few compiles in all, logged). On CUDA ``compile=True`` then captures the compiled step
+in a ``torch.cuda.CUDAGraph`` per (batch bucket, view length, sampling kind, allocation) and replays
+it: inductor's fused kernels with no launch gaps. ``compile="eager-graph"`` captures the unfused
+eager step instead (the fallback, also taken, with the reason logged, where compiling fails);
+another ``torch.compile`` mode name is handed to ``torch.compile`` as it is (no capture of ours).
 """
 
 from __future__ import annotations
@@ -43,6 +51,13 @@ from ..kv.slot_cache import SlotCache
 from ..models import layer_kinds
 from . import attention
 from . import draft as lookahead
+from .sampling import GREEDY, SamplingSlots, sample
+
+LOGITS = "logits"  # a step that returns the logits, for a caller's pick (grammars, logprobs)
+EAGER_GRAPH = "eager-graph"  # compile= value: the eager step captured in CUDA graphs, not compiled
+# graphs per step function: every (sampling kind, batch-size class) pair compiles once or twice
+# before its sizes turn symbolic; dynamo's default limit (8) would leave later ones eager
+_RECOMPILE_LIMIT = 64
 
 log = logging.getLogger("snapkv_rag")
 
@@ -114,6 +129,11 @@ class Runner:
         self._host: torch.Tensor | None = None
         self._pool = None
         self._eager_logged = False
+        self._step_function: Callable | None = None  # the torch.compile'd step, made at first use
+        self.fallback: str | None = None  # why compile=True captures the eager step (None: it compiles)
+        # the compiled step's attention over the slots: "sdpa" (torch's kernel), or "split" (plain
+        # ops that inductor fuses into split-K reductions; for slot caches made after it is set)
+        self.decode_attention = "sdpa"
         self.repeat_ids: tuple[int, ...] = ()  # KVzip's repeat instruction, tokenized (set by the engine)
         # why a multi-token pass cannot continue this model's recurrent states (None: it can): then no
         # prompt is split at a cached prefix, and a tail over stored states runs one token per step
@@ -331,31 +351,45 @@ class Runner:
 
     # ------------------------------------------------------------ decode
     def new_slots(self, max_rows: int) -> SlotCache:
-        return SlotCache(self.model.config, self.specs, max_rows, self.device, keep=bool(self.compile))
+        slots = SlotCache(self.model.config, self.specs, max_rows, self.device, keep=bool(self.compile))
+        slots.decode_attention = self.decode_attention
+        return slots
 
     def decode_step(
-        self, slots: SlotCache, b: int, pick: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self,
+        slots: SlotCache,
+        b: int,
+        pick: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        sampling: SamplingSlots | None = None,
     ) -> torch.Tensor:
         """One token for rows ``[0, b)`` of ``slots``; returns the next tokens ``[b]`` on the device
-        (also fed by the next step). ``pick`` (logits -> tokens) replaces the greedy argmax, for rows
-        that sample or follow a grammar; the step is then compiled without it. No host sync."""
+        (also fed by the next step). Inside the step: greedy, or each row's own ``sampling``
+        settings. ``pick`` (logits -> tokens) replaces both, for rows that follow a grammar: the step
+        then returns its logits, and the pick runs after it. No host sync."""
         with self.lock, torch.inference_mode():
-            if self.compile and slots.recurrent and not self._eager_logged:
-                self._eager_logged = True
-                log.info(
-                    "snapkv_rag: compile is set, but this model has recurrent / conv state layers: its decode "
-                    "steps run eagerly"
-                )
-            if not self.compile or slots.recorder is not None or slots.recurrent:  # eager-only cases
-                if pick is None:
-                    return self._decode(slots, b, greedy=True)
-                logits = self._decode(slots, b)
-            elif pick is None:
-                return self._compiled(slots, b, True)()
+            length = slots.view_length(b)
+            kind = LOGITS if pick is not None else sampling.kind(b) if sampling is not None else GREEDY
+            if self._eager(slots):
+                out = self._decode(slots, b, length, kind, sampling)
             else:
-                logits = self._compiled(slots, b, False)()
-            slots.tokens[:b].copy_(pick(logits))
+                out = self._compiled(slots, b, length, kind, sampling)()
+            slots.stepped(b)
+            if pick is None:
+                return out
+            slots.tokens[:b].copy_(pick(out))
             return slots.tokens[:b]
+
+    def _eager(self, slots: SlotCache) -> bool:
+        """Whether this step runs eagerly: no ``compile`` (or ``"eager-graph"`` off CUDA), a hit-rate
+        recorder reading the step's tensors, or recurrent / conv state layers (said once)."""
+        if self.compile and slots.recurrent and not self._eager_logged:
+            self._eager_logged = True
+            log.info(
+                "snapkv_rag: compile is set, but this model has recurrent / conv state layers: its decode "
+                "steps run eagerly"
+            )
+        off = not self.compile or (self.compile == EAGER_GRAPH and self.device.type != "cuda")
+        return off or slots.recorder is not None or slots.recurrent
 
     def to_host(self, tokens: torch.Tensor) -> list[int]:
         """The step's one device-to-host copy: the sampled ids (EOS is read from them on the host).
@@ -371,41 +405,114 @@ class Runner:
         done.synchronize()
         return host.tolist()
 
-    def _decode(self, slots: SlotCache, b: int, greedy: bool = False) -> torch.Tensor:
-        """The step function: marks the slots, runs the model, moves the rows on. Greedy: the
-        argmax is part of it and written where the next step reads its tokens."""
-        positions = slots.begin_step(b)
+    def _decode(
+        self, slots: SlotCache, b: int, length: int, kind: str = GREEDY, sampling: SamplingSlots | None = None
+    ) -> torch.Tensor:
+        """The step function: marks the slots, runs the model over the rows' first ``length`` slots,
+        moves the rows on, and picks the next tokens by ``kind`` (written where the next step reads
+        them); ``kind`` :data:`LOGITS` returns the logits instead."""
+        positions = slots.begin_step(b, length)
         logits = self.forward(slots.tokens[:b, None], slots.no_mask(b), positions[:, None], slots)
         slots.end_step(b)
-        if greedy:
-            slots.tokens[:b].copy_(logits.argmax(dim=-1))
-            return slots.tokens[:b]
-        return logits
+        if kind == LOGITS:
+            return logits
+        tokens = logits.argmax(dim=-1) if kind == GREEDY else sample(logits, sampling, b, kind)
+        slots.tokens[:b].copy_(tokens)
+        return slots.tokens[:b]
 
-    def _compiled(self, slots: SlotCache, b: int, greedy: bool) -> Callable[[], torch.Tensor]:
-        """The step for ``b`` rows of this allocation of ``slots``, compiled (or captured) at first use."""
-        key = (id(slots), slots.generation, b, greedy)
+    def _compiled(
+        self, slots: SlotCache, b: int, length: int, kind: str, sampling: SamplingSlots | None
+    ) -> Callable[[], torch.Tensor]:
+        """The step for ``b`` rows over ``length`` slots of this allocation of ``slots``, compiled
+        (and on CUDA captured) at first use."""
+        key = (id(slots), slots.generation, b, length, kind, id(sampling))
         step = self._steps.get(key)
-        if step is None:
-            for old in [k for k in self._steps if k[0] == id(slots) and k[1] != slots.generation]:
-                del self._steps[old]  # a graph of buffers since reallocated
-            if not self._steps:
-                # no graph left on the pool: once the last one is freed, the allocator retires its pool,
-                # and capturing into that pool's handle again fails an internal assert; take a fresh one
-                self._pool = None
-            what = f"decode step for {b} rows x {slots.capacity} slots"
-            if self.device.type == "cuda" and self.compile is True:
-                begin = time.perf_counter()
-                if self._pool is None:  # one memory pool shared by every captured bucket
-                    self._pool = torch.cuda.graph_pool_handle()
-                step = _capture(lambda: self._decode(slots, b, greedy), slots, self._pool)
-                log.info("snapkv_rag: %s captured in a CUDA graph in %.1f s", what, time.perf_counter() - begin)
+        if step is not None:
+            return step
+        for old in [k for k in self._steps if k[0] == id(slots) and k[1] != slots.generation]:
+            del self._steps[old]  # a graph of buffers since reallocated
+        if not self._steps:
+            # no graph left on the pool: once the last one is freed, the allocator retires its pool,
+            # and capturing into that pool's handle again fails an internal assert; take a fresh one
+            self._pool = None
+        what = f"decode step for {b} rows x {length} of {slots.capacity} slots ({kind})"
+        if self.device.type == "cuda" and self.compile in (True, EAGER_GRAPH):
+            step = self._captured(slots, b, length, kind, sampling, what)
+        elif self.fallback is not None:
+            step = lambda: self._decode(slots, b, length, kind, sampling)  # noqa: E731
+        else:
+            function = self._compiled_function()
+            step = self._first_compile(
+                lambda: function(slots, b, length, kind, sampling),
+                lambda: self._decode(slots, b, length, kind, sampling),
+                [slots.counters] + ([sampling.step] if sampling is not None else []),
+                what,
+            )
+        self._steps[key] = step
+        return step
+
+    def _first_compile(
+        self, compiled: Callable[[], torch.Tensor], eager: Callable[[], torch.Tensor], restore: list, what: str
+    ) -> Callable[[], torch.Tensor]:
+        """``compiled``, whose first call (the one that compiles) logs its time; if compiling fails,
+        the reason is logged once and this and every later step runs ``eager`` (``restore``'s
+        tensors put back first, should the failed call have moved them)."""
+        first = [True]
+
+        def run() -> torch.Tensor:
+            if not first[0]:
+                return compiled() if self.fallback is None else eager()
+            saved, begin = [t.clone() for t in restore], time.perf_counter()
+            try:
+                out = compiled()
+            except Exception as error:  # noqa: BLE001 - any compiler failure: the eager step still works
+                for tensor, value in zip(restore, saved):
+                    tensor.copy_(value)
+                self._fall_back(error)
+                out = eager()
             else:
-                compiled = torch.compile(
-                    self._decode, mode=None if self.compile is True else self.compile, dynamic=False
-                )
-                step = _logged_first(lambda: compiled(slots, b, greedy), what)
-            self._steps[key] = step
+                log.info("snapkv_rag: %s compiled in %.1f s", what, time.perf_counter() - begin)
+            first[0] = False
+            return out
+
+        return run
+
+    def _fall_back(self, error: Exception) -> None:
+        """Compiling the step failed: say why, once; the eager step is used from now on."""
+        self.fallback = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        log.warning("snapkv_rag: compiling the decode step failed (%s); the eager step is used", self.fallback)
+
+    def _compiled_function(self) -> Callable:
+        """``_decode`` through ``torch.compile`` (inductor, one graph: a break is an error), made once;
+        ``compile=True`` gets the default mode, a mode name that mode."""
+        if self._step_function is None:
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), _RECOMPILE_LIMIT))
+            mode = None if self.compile in (True, EAGER_GRAPH) else self.compile
+            self._step_function = torch.compile(self._decode, mode=mode, fullgraph=True)
+        return self._step_function
+
+    def _captured(
+        self, slots: SlotCache, b: int, length: int, kind: str, sampling: SamplingSlots | None, what: str
+    ) -> Callable[[], torch.Tensor]:
+        """The step captured in a CUDA graph: the compiled one, or the eager one under
+        ``compile="eager-graph"`` or once compiling has failed (the reason logged, once)."""
+        begin = time.perf_counter()
+        if self._pool is None:  # one memory pool shared by every captured bucket
+            self._pool = torch.cuda.graph_pool_handle()
+        restore = [slots.counters] + ([sampling.step] if sampling is not None else [])
+        if self.compile is True and self.fallback is None:
+            function = self._compiled_function()
+            try:
+                step = _capture(lambda: function(slots, b, length, kind, sampling), restore, self._pool)
+                log.info("snapkv_rag: %s compiled and captured in %.1f s", what, time.perf_counter() - begin)
+                return step
+            except Exception as error:  # noqa: BLE001 - any compiler failure: the eager step still works
+                self._fall_back(error)
+                torch.cuda.synchronize()
+        step = _capture(lambda: self._decode(slots, b, length, kind, sampling), restore, self._pool)
+        log.info("snapkv_rag: %s captured (eager) in a CUDA graph in %.1f s", what, time.perf_counter() - begin)
         return step
 
     def forward(
@@ -452,38 +559,32 @@ class StepClock:
         return 1000 * (time.perf_counter() - self.begin)
 
 
-def _logged_first(step: Callable[[], torch.Tensor], what: str) -> Callable[[], torch.Tensor]:
-    """``step``, whose first call (the one that compiles) logs how long it took."""
-    first = [True]
+def _capture(step: Callable[[], torch.Tensor], restore: list[torch.Tensor], pool) -> Callable[[], torch.Tensor]:
+    """``step`` captured in a CUDA graph (warmed up on a side stream first: a compiled step compiles
+    there) and replayed: its inputs and outputs are the slot cache's buffers, at fixed addresses until
+    the cache reallocates. The warm-up runs write only the slots the real step writes again; the
+    tensors in ``restore`` (the rows' counters, the sampling steps) are put back after each run,
+    also when one fails."""
+    saved = [t.clone() for t in restore]
 
-    def run() -> torch.Tensor:
-        if not first[0]:
-            return step()
-        begin = time.perf_counter()
-        out = step()
-        first[0] = False
-        log.info("snapkv_rag: %s compiled in %.1f s", what, time.perf_counter() - begin)
-        return out
+    def put_back() -> None:
+        for tensor, value in zip(restore, saved):
+            tensor.copy_(value)
 
-    return run
-
-
-def _capture(step: Callable[[], torch.Tensor], slots: SlotCache, pool) -> Callable[[], torch.Tensor]:
-    """``step`` captured in a CUDA graph (warmed up on a side stream first) and replayed: its inputs
-    and outputs are the slot cache's buffers, at fixed addresses until the cache reallocates. The
-    warm-up runs write only the slots the real step writes again; the rows' counters are restored."""
-    saved = slots.counters.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-            slots.counters.copy_(saved)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = step()
-    slots.counters.copy_(saved)
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+                put_back()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = step()
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
+        put_back()
 
     def replay() -> torch.Tensor:
         graph.replay()

@@ -37,7 +37,7 @@ from ..request.results import CompressionStats, SchedulerStats, compression_stat
 from ..request.text import Request, RowText, TextState
 from . import choices
 from .runner import Prefilled, Runner, StepClock
-from .sampling import GREEDY, SamplingOptions, SamplingSlots, sample
+from .sampling import SamplingOptions, SamplingSlots, sample
 from .tickets import _DONE, _ERROR, _PIECE, Ticket  # noqa: F401 (Ticket: re-exported)
 
 
@@ -338,16 +338,14 @@ class Scheduler:
         b = slots.batch_rows()
         jobs = [self.running.get(row) for row in range(b)]
         wanted = choices.wanted(jobs)  # each row's logprobs count, or None
-        eager = any(job is not None and job.constraint is not None for job in jobs) or any(
+        outside = any(job is not None and job.constraint is not None for job in jobs) or any(
             k is not None for k in wanted
-        )  # a grammar, or logprobs: the logits are needed
-        kind, self._logprobs = self.sampling.kind(b), None
-        pick = (
-            None if kind == GREEDY and not eager else lambda logits: self._pick(logits, jobs, self.sampling, b, wanted)
-        )
+        )  # a grammar, or logprobs: the logits leave the step; else it samples inside itself
+        self._logprobs = None
+        pick = (lambda logits: self._pick(logits, jobs, self.sampling, b, wanted)) if outside else None
         clock = StepClock(self.runner.device)
         try:
-            tokens = self.runner.to_host(self.runner.decode_step(slots, b, pick))
+            tokens = self.runner.to_host(self.runner.decode_step(slots, b, pick, self.sampling))
         except Exception as error:  # noqa: BLE001 - every row of the failed step gets the error
             for job in self.running.values():
                 job.ticket.put(_ERROR, error)
@@ -358,7 +356,6 @@ class Scheduler:
         slots.record_s = 0.0
         for row, job in list(self.running.items()):
             job.step_ms.append(ms)
-            slots.decoded[row] += 1
             try:
                 going = self._advance(job, tokens[row], found.get(row))
             except Exception as error:  # noqa: BLE001 - this row's caller gets it; the worker goes on
