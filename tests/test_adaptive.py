@@ -103,7 +103,7 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
 
     assert _config(
         build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--method", "adasnapkv"])
-    ) == AdaSnapKVConfig(max_capacity_prompt=1024)
+    ) == AdaSnapKVConfig(ratio=0.5, min_capacity_prompt=256)  # the default budget, its floor
     assert parse_spec("adasnapkv@25%").config(400) == AdaSnapKVConfig(max_capacity_prompt=400)
     body = {
         "model": "tiny",
@@ -119,7 +119,7 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
     from snapkv_rag.server.protocol import ServerSettings
     from snapkv_rag.server.protocol import _compression as snapkv_config
 
-    settings = ServerSettings(model_name="tiny")
+    settings = ServerSettings(model_name="tiny", compression=SnapKVConfig())
     assert snapkv_config({"method": "adasnapkv", "floor": 0.5}, settings) == AdaSnapKVConfig(floor=0.5)
     assert snapkv_config({"method": "kvzip", "share": "layer"}, settings).share == "layer"
     with pytest.raises(Exception, match="not a setting of method snapkv"):
