@@ -1,6 +1,7 @@
 """What lookahead SnapKV's draft costs: the time from a prompt to its compressed cache (the prefill
-and the selection, where the draft is counted) under lookahead SnapKV against plain SnapKV and
-head-adaptive SnapKV, on the same prompts, interleaved, with the ratio printed.
+and the selection, where the draft is counted) under lookahead SnapKV against plain SnapKV,
+head-adaptive SnapKV and KVzip (``kvzip``: its re-read pass), on the same prompts, interleaved, with
+the ratio printed.
 
 Prompts: the method grid's first ``--prompts`` NQ questions (gold in the middle) with ``--docs``
 passages each, on the embedded model (or ``--model``), at ``--share`` of the prompt kept. Rounds
@@ -36,7 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 
 
 def methods(budget: int) -> dict:
-    from snapkv_rag import AdaSnapKVConfig, LookaheadSnapKVConfig, SnapKVConfig
+    from snapkv_rag import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig
 
     return {
         "snapkv": SnapKVConfig(max_capacity_prompt=budget),
@@ -45,8 +46,9 @@ def methods(budget: int) -> dict:
         "lookahead4": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4),
         "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # the default: an even split
         "lookahead_one_by_one": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # guessing off
-        "lookahead_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=0.2),
-    }  # ragged heads
+        "lookahead_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=0.2),  # ragged heads
+        "kvzip": KVzipConfig(max_capacity_prompt=budget),  # its re-read: a second prompt's prefill
+    }
 
 
 def main() -> None:
