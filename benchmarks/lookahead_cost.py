@@ -13,7 +13,8 @@ token, :func:`snapkv_rag.runtime.draft.draft_and_vote`'s ``speculate=False``): w
 The guesses also look in the model's earlier drafts: before the timed prompts, lookahead runs on
 ``--warm`` other NQ questions (5 passages each), and every timed run starts from exactly those
 drafts (never from a draft of its own prompt, which a later round would otherwise find).
-With ``--decode-tokens N`` each round also decodes N tokens from each method's cache (``generate``,
+``--cpu-time`` times the process's CPU seconds instead of the wall clock (with one thread: the work,
+not the wait for a core on a machine other work shares). With ``--decode-tokens N`` each round also decodes N tokens from each method's cache (``generate``,
 end-of-sequence ignored) and the median decode step is printed beside SnapKV's: the padded heads
 of the head-adaptive methods against SnapKV's even ones.
 
@@ -72,8 +73,15 @@ def main() -> None:
         default=0,
         help="also time this many decode steps from each method's cache (median step, ms)",
     )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the process's CPU seconds (time.process_time) instead of the wall clock: on a machine other "
+        "work shares, with one thread (OMP_NUM_THREADS=1), the work each method does, not its wait for a core",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
 
     from evals.datasets import nq_examples
     from snapkv_rag import SnapKVLLM
@@ -119,10 +127,10 @@ def main() -> None:
                     )
                     draft.clear()
                     lookahead.PAST_DRAFTS[runner] = collections.deque(earlier, maxlen=64)
-                    start = time.perf_counter()
+                    start = clock()
                     runner.prefill([ids], {name: configs[name]})
                     if round_:  # the first round warms up
-                        times[name].append(time.perf_counter() - start)
+                        times[name].append(clock() - start)
                     if round_ == 1 and name.startswith("lookahead"):
                         passes[name].append(len(draft))
                     if round_ and args.decode_tokens:  # the steady steps: the first one left out
@@ -168,6 +176,7 @@ def main() -> None:
                     "rounds": args.rounds,
                     "decode_tokens": args.decode_tokens,
                     "warm": args.warm,
+                    "clock": "process CPU time" if args.cpu_time else "wall clock",
                     "command": "python benchmarks/lookahead_cost.py " + " ".join(sys.argv[1:]),
                     "records": records,
                 },

@@ -101,7 +101,7 @@ class SnapKVLLM:
     given is used or refused with what works. The model's attention is routed through our
     wrapper (identical for other callers); :meth:`close` switches it back. ``snapkv`` is the
     compression of every call that does not choose its own (``False``/``None``: full cache); by
-    default lookahead SnapKV keeping half of each prompt, never fewer than 256 tokens
+    default lookahead SnapKV keeping half of each prompt, never fewer than 512 tokens
     (:data:`~snapkv_rag.methods.DEFAULT_COMPRESSION`: the method and budget the project's evals show
     keep the full cache's answers most often per byte; ``SnapKVConfig()`` is plain SnapKV at 1,024
     tokens, as before). ``prefill_chunk`` runs each MLP over a

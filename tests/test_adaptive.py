@@ -103,7 +103,7 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
 
     assert _config(
         build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--method", "adasnapkv"])
-    ) == AdaSnapKVConfig(ratio=0.5, min_capacity_prompt=256)  # the default budget, its floor
+    ) == AdaSnapKVConfig(ratio=0.5, min_capacity_prompt=512)  # the default budget, its floor
     assert parse_spec("adasnapkv@25%").config(400) == AdaSnapKVConfig(max_capacity_prompt=400)
     body = {
         "model": "tiny",

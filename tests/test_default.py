@@ -23,6 +23,7 @@ from snapkv_rag.server.protocol import _compression as server_config
 pytestmark = pytest.mark.usefixtures("one_thread", "engine_default")
 QUESTION = "Which harbour lies north?"
 DOCS = filler_documents(6)  # a 701-token RAG prompt with the embedded tokenizer
+LONG = filler_documents(10)  # 1,146 tokens: past twice the floor, half of it kept
 
 
 @pytest.fixture()
@@ -33,8 +34,8 @@ def llm(tiny_model, tokenizer):
 def test_the_default_is_lookahead_at_half_of_each_prompt_above_a_floor():
     assert DEFAULT_COMPRESSION == LookaheadSnapKVConfig(ratio=RATIO, min_capacity_prompt=FLOOR)
     assert RATIO == 0.5 and DEFAULT_COMPRESSION.floor == 1.0  # an even split: SnapKV's bytes
-    assert DEFAULT_COMPRESSION.for_prompt(701).max_capacity_prompt == 351
-    assert DEFAULT_COMPRESSION.for_prompt(FLOOR + 10).max_capacity_prompt == FLOOR
+    assert FLOOR == 512 and DEFAULT_COMPRESSION.for_prompt(701).max_capacity_prompt == FLOOR
+    assert DEFAULT_COMPRESSION.for_prompt(1146).max_capacity_prompt == 573
     assert SnapKVConfig() == SnapKVConfig(max_capacity_prompt=1024)  # asked for: plain SnapKV, as before
 
 
@@ -43,8 +44,9 @@ def test_an_engine_compresses_a_700_token_rag_prompt_by_default(llm):
     result = llm.generate(QUESTION, DOCS)
     prompt, c = result.usage.prompt_tokens, result.compression
     assert 600 <= prompt <= 1100
-    assert c.method == "lookahead" and c.kept_tokens == [math.ceil(prompt / 2)] * 2
-    assert c.ratio == pytest.approx(math.ceil(prompt / 2) / prompt)
+    assert c.method == "lookahead" and c.kept_tokens == [FLOOR] * 2 and c.ratio == pytest.approx(FLOOR / prompt)
+    long = llm.generate(QUESTION, LONG).compression
+    assert long.kept_tokens == [math.ceil(long.prompt_tokens / 2)] * 2  # half of a longer one
     again = llm.generate(QUESTION, DOCS, snapkv=True).compression  # True: the default
     assert (again.method, again.kept_tokens) == (c.method, c.kept_tokens)
     plain = llm.generate(QUESTION, DOCS, snapkv=SnapKVConfig()).compression
@@ -55,9 +57,9 @@ def test_a_prompt_under_the_floor_is_kept_whole_without_a_draft_and_one_above_ke
     drafts = []
     real = draft.draft_and_vote
     monkeypatch.setattr(draft, "draft_and_vote", lambda *a, **k: drafts.append(1) or real(*a, **k))
-    short = llm.generate(QUESTION, filler_documents(1)).compression
+    short = llm.generate(QUESTION, filler_documents(3)).compression
     assert short.prompt_tokens < FLOOR and short.ratio == 1.0 and short.method == "lookahead" and not drafts
-    middle = llm.generate(QUESTION, filler_documents(3)).compression
+    middle = llm.generate(QUESTION, DOCS).compression
     assert FLOOR < middle.prompt_tokens < 2 * FLOOR and middle.kept_tokens == [FLOOR] * 2 and drafts == [1]
 
 
@@ -104,5 +106,5 @@ def test_the_embedded_model_compresses_a_700_token_rag_prompt_by_default():
     finally:
         llm.close()
     prompt, c = result.usage.prompt_tokens, result.compression
-    assert c.method == "lookahead" and c.kept_tokens == [math.ceil(prompt / 2)] * 30
-    assert c.ratio == pytest.approx(math.ceil(prompt / 2) / prompt) and result.text
+    assert c.method == "lookahead" and c.kept_tokens == [FLOOR] * 30 and FLOOR < prompt
+    assert c.ratio == pytest.approx(FLOOR / prompt) and result.text

@@ -21,7 +21,7 @@ from .lookahead import LookaheadSnapKVConfig
 
 RATIO = 0.5
 """The share of each prompt the default keeps."""
-FLOOR = 256
+FLOOR = 512
 """The fewest prompt tokens the default keeps (per layer and KV head, window included): short
 prompts are where the draft costs most against the prefill and where a halved cache saves the
 fewest bytes (see the module)."""
