@@ -100,6 +100,11 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
     args = build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--method", "lookahead", "--budget", "25%"])
     assert _config(args) == LookaheadSnapKVConfig(ratio=0.25)
     assert parse_spec("lookahead@25%").config(400) == LookaheadSnapKVConfig(max_capacity_prompt=400)
+    four = parse_spec("lookahead/lookahead=4/floor=0.5@25%")  # settings of the method in the spec
+    assert four.name == "lookahead/lookahead=4/floor=0.5@25%"
+    assert four.config(400) == LookaheadSnapKVConfig(max_capacity_prompt=400, lookahead=4, floor=0.5)
+    with pytest.raises(ValueError, match="'sink_tokens=4' is not FIELD=VALUE"):
+        parse_spec("lookahead/sink_tokens=4@25%")
     settings = ServerSettings(model_name="tiny", compression=SnapKVConfig())
     assert snapkv_config({"method": "lookahead", "lookahead": 4}, settings) == LookaheadSnapKVConfig(lookahead=4)
     with pytest.raises(Exception, match="not a setting of method adasnapkv"):
