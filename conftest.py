@@ -1,4 +1,5 @@
-"""What every test folder shares: a check that an event loop keeps running while a model computes."""
+"""What every test folder shares: a check that an event loop keeps running while a model computes, and
+the engine default the tiny-model suites run under (:func:`plain_snapkv_default`)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,31 @@ def pytest_collection_modifyitems(config, items):
     alone at the end. The order changes nothing else: every test is independent of it."""
     heavy = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("heavy")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in heavy)
+
+
+@pytest.fixture(scope="session")
+def plain_snapkv_default():
+    """Engines built without ``snapkv`` compress with plain SnapKV at 1,024 tokens (``SnapKVConfig()``,
+    the engine's default before lookahead SnapKV at 50% took its place, ``snapkv_rag.methods.default``)
+    while the session runs: the tiny-model suites' tests are about other things, and so keep the
+    caches their prompts had and their speed (a draft per request otherwise). Their conftest files use
+    it for every test; a test about the default itself takes :func:`engine_default`. Yields the real
+    default."""
+    from snapkv_rag import SnapKVConfig, SnapKVLLM
+
+    defaults = SnapKVLLM.__init__.__kwdefaults__
+    real = defaults["snapkv"]
+    defaults["snapkv"] = SnapKVConfig()
+    yield real
+    defaults["snapkv"] = real
+
+
+@pytest.fixture
+def engine_default(plain_snapkv_default):
+    """The engine's real default compression for engines built during this test (yielded)."""
+    from snapkv_rag import SnapKVLLM
+
+    defaults = SnapKVLLM.__init__.__kwdefaults__
+    plain, defaults["snapkv"] = defaults["snapkv"], plain_snapkv_default
+    yield plain_snapkv_default
+    defaults["snapkv"] = plain

@@ -1,6 +1,7 @@
 """What lookahead SnapKV's draft costs: the time from a prompt to its compressed cache (the prefill
-and the selection, where the draft is counted) under lookahead SnapKV against plain SnapKV and
-head-adaptive SnapKV, on the same prompts, interleaved, with the ratio printed.
+and the selection, where the draft is counted) under lookahead SnapKV against plain SnapKV,
+head-adaptive SnapKV and KVzip (``kvzip``: its re-read pass), on the same prompts, interleaved, with
+the ratio printed.
 
 Prompts: the method grid's first ``--prompts`` NQ questions (gold in the middle) with ``--docs``
 passages each, on the embedded model (or ``--model``), at ``--share`` of the prompt kept. Rounds
@@ -12,7 +13,8 @@ token, :func:`snapkv_rag.runtime.draft.draft_and_vote`'s ``speculate=False``): w
 The guesses also look in the model's earlier drafts: before the timed prompts, lookahead runs on
 ``--warm`` other NQ questions (5 passages each), and every timed run starts from exactly those
 drafts (never from a draft of its own prompt, which a later round would otherwise find).
-With ``--decode-tokens N`` each round also decodes N tokens from each method's cache (``generate``,
+``--cpu-time`` times the process's CPU seconds instead of the wall clock (with one thread: the work,
+not the wait for a core on a machine other work shares). With ``--decode-tokens N`` each round also decodes N tokens from each method's cache (``generate``,
 end-of-sequence ignored) and the median decode step is printed beside SnapKV's: the padded heads
 of the head-adaptive methods against SnapKV's even ones.
 
@@ -36,7 +38,7 @@ sys.path.insert(0, str(HERE.parent))
 
 
 def methods(budget: int) -> dict:
-    from snapkv_rag import AdaSnapKVConfig, LookaheadSnapKVConfig, SnapKVConfig
+    from snapkv_rag import AdaSnapKVConfig, KVzipConfig, LookaheadSnapKVConfig, SnapKVConfig
 
     return {
         "snapkv": SnapKVConfig(max_capacity_prompt=budget),
@@ -45,8 +47,9 @@ def methods(budget: int) -> dict:
         "lookahead4": LookaheadSnapKVConfig(max_capacity_prompt=budget, lookahead=4),
         "lookahead": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # the default: an even split
         "lookahead_one_by_one": LookaheadSnapKVConfig(max_capacity_prompt=budget),  # guessing off
-        "lookahead_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=0.2),
-    }  # ragged heads
+        "lookahead_ada": LookaheadSnapKVConfig(max_capacity_prompt=budget, floor=0.2),  # ragged heads
+        "kvzip": KVzipConfig(max_capacity_prompt=budget),  # its re-read: a second prompt's prefill
+    }
 
 
 def main() -> None:
@@ -70,8 +73,15 @@ def main() -> None:
         default=0,
         help="also time this many decode steps from each method's cache (median step, ms)",
     )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the process's CPU seconds (time.process_time) instead of the wall clock: on a machine other "
+        "work shares, with one thread (OMP_NUM_THREADS=1), the work each method does, not its wait for a core",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
 
     from evals.datasets import nq_examples
     from snapkv_rag import SnapKVLLM
@@ -117,10 +127,10 @@ def main() -> None:
                     )
                     draft.clear()
                     lookahead.PAST_DRAFTS[runner] = collections.deque(earlier, maxlen=64)
-                    start = time.perf_counter()
+                    start = clock()
                     runner.prefill([ids], {name: configs[name]})
                     if round_:  # the first round warms up
-                        times[name].append(time.perf_counter() - start)
+                        times[name].append(clock() - start)
                     if round_ == 1 and name.startswith("lookahead"):
                         passes[name].append(len(draft))
                     if round_ and args.decode_tokens:  # the steady steps: the first one left out
@@ -166,6 +176,7 @@ def main() -> None:
                     "rounds": args.rounds,
                     "decode_tokens": args.decode_tokens,
                     "warm": args.warm,
+                    "clock": "process CPU time" if args.cpu_time else "wall clock",
                     "command": "python benchmarks/lookahead_cost.py " + " ".join(sys.argv[1:]),
                     "records": records,
                 },

@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None, engine=None, make_engine=None, prog: str
     from . import report
 
     if args.report_only:
-        report.write_all(args.out)
+        print(report.write_all(args.out))
         print(f"wrote {args.out}/summary.md, summary.csv and plots/")
         return 0
 
@@ -435,7 +435,7 @@ def _run(args, argv, llm, examples, specs, instruction, own) -> int:
             runner.run(llm, examples, specs, args.out, **options)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    report.write_all(args.out)
+    print(report.write_all(args.out))
     print(
         f"{len(examples)} prompts x {len(specs)} methods in {time.perf_counter() - start:.0f} s; "
         f"wrote {args.out}/rows.jsonl, summary.md, summary.csv, plots/"

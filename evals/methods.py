@@ -1,7 +1,8 @@
 """Method specs -> compression configs, with budgets fixed per cell.
 
 A spec is ``full`` or ``KIND@BUDGET`` with KIND one of :func:`kinds` and BUDGET an absolute token
-count (``512``) or a share of the prompt (``25%``). A ratio is turned into ONE integer budget per
+count (``512``) or a share of the prompt (``25%``). KIND may carry settings of its method as
+``/FIELD=VALUE`` (``lookahead/lookahead=4@50%``: 4 drafted tokens; numbers are read as numbers). A ratio is turned into ONE integer budget per
 (dataset, N, gold position) cell: ``round(ratio * mean prompt tokens of the cell's examples)``, so
 every prompt of a cell is compressed to the same size and the cells stay comparable to each other
 (a per-prompt ratio would give longer prompts bigger caches). Budgets count the kept positions per
@@ -37,6 +38,7 @@ class MethodSpec:
     kind: str
     tokens: int | None = None
     ratio: float | None = None
+    settings: tuple[tuple[str, Any], ...] = ()
 
     def budget(self, mean_prompt_tokens: float) -> int | None:
         if self.kind == "full":
@@ -46,29 +48,54 @@ class MethodSpec:
         return int(round(self.ratio * mean_prompt_tokens))
 
     def config(self, budget: int) -> Any:
-        return kinds()[self.kind](max_capacity_prompt=max(budget, WINDOW + 1))
+        return kinds()[self.kind](max_capacity_prompt=max(budget, WINDOW + 1), **dict(self.settings))
+
+
+def _value(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _settings(spec: str, kind: str, parts: list[str]) -> tuple[tuple[str, Any], ...]:
+    """``FIELD=VALUE`` parts of a spec's KIND, checked against the method's fields."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(kinds()[kind])} - {"max_capacity_prompt", "ratio"}
+    out = []
+    for part in parts:
+        name, sep, value = part.partition("=")
+        if not sep or name not in names:
+            raise ValueError(f"method {spec!r}: {part!r} is not FIELD=VALUE with FIELD one of {sorted(names)}")
+        out.append((name, _value(value)))
+    return tuple(out)
 
 
 def parse_spec(spec: str) -> MethodSpec:
     spec = spec.strip()
     if spec == "full":
         return MethodSpec("full", "full")
-    kind, sep, budget = spec.partition("@")
+    head, sep, budget = spec.partition("@")
+    kind, *parts = head.split("/")
     if kind not in kinds() or not sep or not budget:
         raise ValueError(
             f"method {spec!r}: expected 'full' or KIND@BUDGET with KIND in {sorted(kinds())} and BUDGET "
             f"a token count (512) or a share of the prompt (25%)"
         )
+    settings = _settings(spec, kind, parts)
     try:
         if budget.endswith("%"):
             ratio = float(budget[:-1]) / 100
             if not 0 < ratio < 1:
                 raise ValueError
-            return MethodSpec(f"{kind}@{budget}", kind, ratio=ratio)
+            return MethodSpec(f"{head}@{budget}", kind, ratio=ratio, settings=settings)
         tokens = int(budget)
         if tokens <= WINDOW:
             raise ValueError
-        return MethodSpec(f"{kind}@{tokens}", kind, tokens=tokens)
+        return MethodSpec(f"{head}@{tokens}", kind, tokens=tokens, settings=settings)
     except ValueError:
         raise ValueError(
             f"method {spec!r}: the budget must be a percentage in (0%, 100%) or an integer > {WINDOW}"

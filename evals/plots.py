@@ -1,5 +1,5 @@
 """matplotlib figures for a run: answer and citation F1 against N, accuracy against gold position,
-fidelity (attention hit rate) against N, and fidelity against the share of the prompt kept. One
+fidelity (attention hit rate) against N, and fidelity against the bytes each method keeps. One
 line per method, 95% intervals as error bars."""
 
 from __future__ import annotations
@@ -176,6 +176,36 @@ def against_budget(records: Sequence[dict], metric: str, ylabel: str, path: Path
     return True
 
 
+def against_bytes(records: Sequence[dict], metric: str, ylabel: str, path: Path) -> bool:
+    """Fidelity against the kept cache's bytes as a share of the full cache's (``kv_ratio``: what the
+    request's cache holds while it decodes), not against the budget's label, so that methods of any
+    shape (ragged heads, per-layer budgets) and budgets in tokens or shares line up on one axis: one
+    panel per ``record["panel"]``, one line per method (``KIND`` of ``KIND@BUDGET``), its points in
+    order of bytes, each line ending at the full cache (100%, fidelity 1). False, and no file, when no
+    compressed method has both figures."""
+    shown = [r for r in records if r["method"] != "full" and metric in r and r.get("kv_ratio") is not None]
+    if not shown:
+        return False
+    panels = list(dict.fromkeys(r["panel"] for r in shown))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False, sharey=True)
+    for ax, panel in zip(axes[0], panels):
+        mine = [r for r in shown if r["panel"] == panel]
+        families = list(dict.fromkeys(r["method"].partition("@")[0] for r in mine))
+        colors = plt.get_cmap("tab10" if len(families) <= 10 else "tab20").colors
+        for i, family in enumerate(families):
+            points = sorted((r for r in mine if r["method"].partition("@")[0] == family), key=lambda r: r["kv_ratio"])
+            xs = [100 * r["kv_ratio"] for r in points] + [100]
+            ys = [r[metric] for r in points] + [1.0]
+            lo = [y - r.get(metric + "_lo", y) for y, r in zip(ys, points)] + [0]
+            hi = [r.get(metric + "_hi", y) - y for y, r in zip(ys, points)] + [0]
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=family, color=colors[i % len(colors)])
+        ax.set_title(panel)
+        ax.set_xlabel("KV cache kept (% of the full cache's bytes)")
+        ax.grid(alpha=0.3)
+    _finish(fig, axes, ylabel, path, legend_size=7)
+    return True
+
+
 METRIC_LABELS = {
     "subspan_em": "accuracy (answer inside the output)",
     "identical_to_full": "fidelity (same answer as the full cache)",
@@ -195,10 +225,8 @@ def plot_all(rows: Sequence[dict], by_n: Sequence[dict], cells: Sequence[dict], 
         against_n(by_n, methods, metric, ylabel, folder / name)
         written.append(folder / name)
     panels = [{**r, "panel": f"{r['dataset']}, N={r['num_docs']}"} for r in by_n]
-    if against_budget(
-        panels, "identical_to_full", METRIC_LABELS["identical_to_full"], folder / "fidelity_vs_budget.png"
-    ):
-        written.append(folder / "fidelity_vs_budget.png")
+    if against_bytes(panels, "identical_to_full", METRIC_LABELS["identical_to_full"], folder / "fidelity_vs_bytes.png"):
+        written.append(folder / "fidelity_vs_bytes.png")
     if against_position(
         cells, methods, "subspan_em", "accuracy (best-subspan EM)", folder / "accuracy_vs_position.png"
     ):

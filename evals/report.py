@@ -30,13 +30,23 @@ METRICS = {  # column -> (label, bootstrap CI?)
     "hit_rate": ("hit rate", True),
     "kept_tokens": ("kept tok", False),
     "kv_bytes_kept": ("KV MB", False),
+    "kv_ratio": ("KV kept", False),
     "prefill_s": ("prefill s", False),
     "decode_ms_per_token": ("ms/tok", False),
     "prompt_tokens": ("prompt tok", False),
     "same_minus_snapkv": ("same as full - SnapKV's (paired)", True),
     "f1_vs_full_minus_snapkv": ("F1 vs full - SnapKV's (paired)", True),
 }
-AGAINST_SNAPKV = ("identical_to_full", "same_minus_snapkv", "f1_vs_full", "f1_vs_full_minus_snapkv", "kv_bytes_kept")
+AGAINST_SNAPKV = (
+    "identical_to_full",
+    "same_minus_snapkv",
+    "f1_vs_full",
+    "f1_vs_full_minus_snapkv",
+    "kv_bytes_kept",
+    "kv_ratio",
+)
+BY_BYTES = ("kv_ratio", "identical_to_full", "f1_vs_full", "f1_minus_full")
+"""The columns of the fidelity-against-kept-bytes table (:func:`bytes_table`)."""
 TABLE_COLUMNS = (
     "f1",
     "f1_minus_full",
@@ -47,6 +57,7 @@ TABLE_COLUMNS = (
     "hit_rate",
     "kept_tokens",
     "kv_bytes_kept",
+    "kv_ratio",
     "prefill_s",
     "decode_ms_per_token",
 )
@@ -142,6 +153,8 @@ def _fmt(record: dict, column: str) -> str:
     value = record[column]
     if column == "kv_bytes_kept":
         return f"{value / 2**20:.1f}"
+    if column == "kv_ratio":
+        return f"{value:.3f}"
     if column in ("kept_tokens", "prompt_tokens"):
         return f"{value:.0f}"
     if column == "prefill_s":
@@ -160,6 +173,19 @@ def markdown_table(records: Sequence[dict], keys: Sequence[str], columns: Sequen
         cells = [str(r[k]) for k in keys] + [str(r["n"]), str(r["budget"])] + [_fmt(r, c) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def bytes_table(records: Sequence[dict], keys: Sequence[str] = ("dataset", "method")) -> str:
+    """Fidelity against the bytes each method keeps, whatever its budget's label or its shape (ragged
+    heads, per-layer budgets): the records of ``keys`` in each dataset by ``kv_ratio`` (the kept
+    cache's bytes over the full cache's, as the request's cache holds them while it decodes), then the
+    share of answers identical to the full cache's, the answer's F1 against the full cache's, and the
+    answer F1 change against the gold answers paired with the full cache (95% intervals)."""
+    shown = sorted(
+        (r for r in records if r.get("kv_ratio") is not None),
+        key=lambda r: (*(str(r[k]) for k in keys[:-1]), r["kv_ratio"]),
+    )
+    return markdown_table(shown, keys, BY_BYTES)
 
 
 def write_csv(records: Sequence[dict], path: Path) -> None:
@@ -217,8 +243,9 @@ def data_notes(out: Path, rows: Sequence[dict]) -> list[str]:
     return notes
 
 
-def write_all(out: Path) -> None:
-    """summary.md, summary.csv and plots/ for the rows in ``out`` (or its subfolders)."""
+def write_all(out: Path) -> str:
+    """summary.md, summary.csv and plots/ for the rows in ``out`` (or its subfolders); returns the
+    fidelity-against-kept-bytes table (:func:`bytes_table`), which the command prints."""
     rows = collect_rows(out)
     add_paired_deltas(rows)
     cells = aggregate(rows, ("dataset", "num_docs", "gold_position", "method"))
@@ -238,6 +265,14 @@ def write_all(out: Path) -> None:
         "the kept prompt cache per prompt; budget is tokens kept per layer.",
         "",
         *(line for note in data_notes(out, rows) for line in (note, "")),
+        "## Fidelity against kept bytes (all N and positions)",
+        "",
+        "'KV kept' is the kept cache's bytes over the full cache's, as a request's cache holds them while it "
+        "decodes (every layer padded to its widest head and as wide as its widest layer): methods of any shape "
+        "and budget line up on it. 'F1 - full F1' is against the gold answers, paired with the full cache.",
+        "",
+        bytes_table(overall),
+        "",
         "## By dataset and method (all N and positions)",
         "",
         markdown_table(overall, ("dataset", "method")),
@@ -272,3 +307,4 @@ def write_all(out: Path) -> None:
     from .plots import plot_all
 
     plot_all(rows, by_n, cells, out / "plots")
+    return bytes_table(overall)

@@ -11,6 +11,12 @@ from snapkv_rag import SnapKVLLM
 from snapkv_rag.models.loading import default_model_dir
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _plain_snapkv(plain_snapkv_default):
+    """Every engine here defaults to plain SnapKV at 1,024 tokens (the root conftest's
+    ``plain_snapkv_default``) unless a test asks for ``engine_default``."""
+
+
 def tiny_model_and_tokenizer() -> tuple[LlamaForCausalLM, object]:
     """A fresh tiny random-weight Llama (seeded) and the embedded model's tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())

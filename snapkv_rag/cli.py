@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 from .methods import SnapKVConfig, method_class
+from .methods import default as default_compression
 from .methods.registry import names_with
 from .request.files import DOC_SUFFIXES, DocumentFileError, collect_documents
 from .server import options as serve_options
@@ -29,7 +30,15 @@ FLAGS = {
 }
 CLI_METHODS = tuple(names_with("window_size", "kernel_size", "pooling"))
 """The methods --method offers: those the --window / --kernel / --pooling flags apply to."""
-COMPRESSION_DEFAULTS = {"method": "snapkv", "budget": 1024, "window": 32, "kernel": 7, "pooling": "max"}
+COMPRESSION_DEFAULTS = {
+    "method": default_compression.DEFAULT_COMPRESSION.method,
+    "budget": default_compression.RATIO,
+    "window": 32,
+    "kernel": 7,
+    "pooling": "max",
+}
+"""The engine's default compression (:mod:`snapkv_rag.methods.default`) as flag values; without
+--budget the share keeps at least ``FLOOR`` tokens, as the engine's does."""
 log = logging.getLogger("snapkv_rag.cli")
 
 
@@ -136,6 +145,8 @@ def budget_value(text: str) -> int | float:
 
 def _snapkv(budget: int | float, settings: dict) -> SnapKVConfig:
     size = {"ratio": budget} if isinstance(budget, float) else {"max_capacity_prompt": budget}
+    if isinstance(budget, float) and "budget" not in settings.get("given", ()):  # the default share: its floor
+        size["min_capacity_prompt"] = default_compression.FLOOR
     method = method_class(settings["method"])
     shape = {"window_size": settings["window"], "kernel_size": settings["kernel"], "pooling": settings["pooling"]}
     given = settings.get("given", ())
@@ -196,7 +207,7 @@ DEMO_WHY = (
     'prompts, the most of any method (SnapKV at 50%: 0.66; docs/methods.md, "Choosing a method")'
 )
 DEMO_EVAL = "snapkv-rag eval --num-docs 20 --gold-positions middle --methods lookahead,snapkv --budgets 25%,50%,75%"
-"""The eval run (a source checkout) whose ``plots/fidelity_vs_budget.png`` is the quality-vs-budget curve
+"""The eval run (a source checkout) whose ``plots/fidelity_vs_bytes.png`` is the quality-vs-kept-bytes curve
 of prompts like the demo's: 20 NQ questions at 20 passages, the gold one in the middle."""
 
 
@@ -364,7 +375,7 @@ def cmd_demo(args) -> int:
         )
     else:
         print('\nHow the gains grow with the prompt, on a GPU: docs/benchmarks.md, "Performance".')
-    print(f"Quality against budget, in plots/fidelity_vs_budget.png (docs/evals.md): {DEMO_EVAL}")
+    print(f"Quality against kept bytes, in plots/fidelity_vs_bytes.png (docs/evals.md): {DEMO_EVAL}")
     return 0
 
 
@@ -420,7 +431,18 @@ def cmd_eval(argv: list[str]) -> int:
     return evals_main(argv, prog="snapkv-rag eval")
 
 
-def _common_options(budget_default: str = "1024 tokens", method_default: str = "snapkv") -> argparse.ArgumentParser:
+DEFAULT_HELP = (
+    f"{default_compression.RATIO:.0%} of each prompt, never below {default_compression.FLOOR} tokens".replace(
+        "%", "%%"
+    ),
+    f"{default_compression.DEFAULT_COMPRESSION.method}: the method the evals show keeps the full cache's answers "
+    "most often per byte",
+)
+
+
+def _common_options(
+    budget_default: str = DEFAULT_HELP[0], method_default: str = DEFAULT_HELP[1]
+) -> argparse.ArgumentParser:
     """The options every command but eval takes, their help naming that command's defaults."""
     common = argparse.ArgumentParser(add_help=False)
     talk = common.add_mutually_exclusive_group()
@@ -451,9 +473,9 @@ def _common_options(budget_default: str = "1024 tokens", method_default: str = "
         choices=CLI_METHODS,
         help="snapkv; docsnapkv: document-aware SnapKV (keeps the instruction and question, shares "
         "the budget between the documents by the votes they get); adasnapkv: head-adaptive SnapKV (the layer's budget "
-        "shared between its heads by vote); lookahead: head-adaptive SnapKV whose votes also come from the first "
-        "8 tokens of the answer, drafted over the full cache first (the best kept answers at small budgets, "
-        "at most 8 more passes' cost); keynorm: the shortest keys, "
+        "shared between its heads by vote, no head above the budget); lookahead: SnapKV whose votes also come from "
+        "the first 8 tokens of the answer, drafted over the full cache first (SnapKV's bytes, the most full-cache "
+        "answers kept per byte, at most 8 more passes' cost); keynorm: the shortest keys, "
         "whatever the question; kvzip: what the model attends to when it re-reads the prompt, "
         f"whatever the question (a second prefill's cost) (default {method_default})",
     )

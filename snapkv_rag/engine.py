@@ -23,7 +23,7 @@ from .documents import folder as doc_folder
 from .documents import stitch
 from .documents import store as doc_store
 from .kv import prefix_cache
-from .methods import SnapKVConfig, is_method
+from .methods import DEFAULT_COMPRESSION, is_method
 from .models import loading
 from .request import cited, structured
 from .request.prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
@@ -76,11 +76,12 @@ class GenerationOutOfMemoryError(RuntimeError):
 
 
 def check_config(snapkv: Any):
-    """A compression config from what a caller passes: ``None``/``False`` full cache, ``True`` SnapKV."""
+    """A compression config from what a caller passes: ``None``/``False`` full cache, ``True`` the
+    default compression (:data:`~snapkv_rag.methods.DEFAULT_COMPRESSION`), a config as it is."""
     if snapkv is None or snapkv is False:
         return None
     if snapkv is True:
-        return SnapKVConfig()
+        return DEFAULT_COMPRESSION
     if not is_method(snapkv):
         raise TypeError(
             f"snapkv: expected a SnapKVConfig (or another compression config), True, False or None; "
@@ -101,7 +102,11 @@ class SnapKVLLM:
     ``None`` runs sdpa where the model supports it, else eager (said once in the log); a value
     given is used or refused with what works. The model's attention is routed through our
     wrapper (identical for other callers); :meth:`close` switches it back. ``snapkv`` is the
-    default compression (``False``/``None``: full cache). ``prefill_chunk`` runs each MLP over a
+    compression of every call that does not choose its own (``False``/``None``: full cache); by
+    default lookahead SnapKV keeping half of each prompt, never fewer than 512 tokens
+    (:data:`~snapkv_rag.methods.DEFAULT_COMPRESSION`: the method and budget the project's evals show
+    keep the full cache's answers most often per byte; ``SnapKVConfig()`` is plain SnapKV at 1,024
+    tokens, as before). ``prefill_chunk`` runs each MLP over a
     long prompt in slices of that many tokens; ``compile=True`` (or a ``torch.compile`` mode name)
     decodes from fixed-size buffers through a step compiled by ``torch.compile``, on CUDA replayed
     from CUDA graphs (``"eager-graph"``: the eager step captured, not compiled). ``max_batch`` requests decode together
@@ -121,7 +126,7 @@ class SnapKVLLM:
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
         attn_implementation: str | None = None,
-        snapkv: Any = SnapKVConfig(),
+        snapkv: Any = DEFAULT_COMPRESSION,
         max_new_tokens: int | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
         trust_remote_code: bool = False,

@@ -20,6 +20,12 @@ if os.environ.get("SNAPKV_TEST_DTYPE"):
     torch.set_default_dtype(getattr(torch, os.environ["SNAPKV_TEST_DTYPE"]))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _plain_snapkv(plain_snapkv_default):
+    """Every engine here defaults to plain SnapKV at 1,024 tokens (the root conftest's
+    ``plain_snapkv_default``) unless a test asks for ``engine_default``."""
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Toy models are all overhead: one thread is ~10x faster than two on a busy machine (a module

@@ -21,8 +21,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(llm, **settings):
-    """``(base_url, app)`` of a server for ``llm`` on 127.0.0.1, stopped on exit."""
-    app = create_app(llm, ServerSettings(**{"model_name": "tiny", **settings}))
+    """``(base_url, app)`` of a server for ``llm`` on 127.0.0.1, stopped on exit. Its compression is
+    the engine's default (as ``snapkv-rag serve`` makes them one), unless ``settings`` say otherwise."""
+    own = {"compression": llm.default_snapkv, "base_compression": llm.default_snapkv or ServerSettings.base_compression}
+    app = create_app(llm, ServerSettings(**{"model_name": "tiny", **own, **settings}))
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)

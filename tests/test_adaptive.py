@@ -24,6 +24,15 @@ def test_head_counts_share_the_budget_by_vote_above_the_floor():
     assert head_counts(spread, 3, 3).tolist() == [[3, 3]]  # a full floor is SnapKV's even split
 
 
+def test_head_counts_within_a_memory_bound_stop_where_the_first_head_is_full():
+    spread = torch.tensor([[[5.0, 4, 3, 2, 1, 0], [9, 8, 7, 6, 5.5, 5.2]]])
+    assert head_counts(spread, 3, 0, most=3).tolist() == [[0, 3]]
+    assert head_counts(spread, 3, 1, most=3).tolist() == [[1, 3]]  # the floors, then the ranking to a full head
+    assert head_counts(spread, 3, 3, most=3).tolist() == [[3, 3]]
+    alternating = torch.tensor([[[9.0, 7, 5, 3], [8, 6, 4, 2]]])  # 9, 8, 7: the first head is full there
+    assert head_counts(alternating, 2, 0, most=2).tolist() == [[2, 1]]
+
+
 def test_selection_is_ragged_padded_and_keeps_the_window():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
@@ -32,7 +41,8 @@ def test_selection_is_ragged_padded_and_keeps_the_window():
         q[..., -8:, :], k, v, AdaSnapKVConfig(max_capacity_prompt=20, window_size=8, floor=0.0)
     )
     held = (kept >= 0).sum(-1)
-    assert held.sum() == 2 * 20 and held[0, 0] != held[0, 1]  # the layer's budget, shared unevenly
+    assert held.max() == 20 and kept.shape[-1] <= 20  # the widest head holds the budget: a memory bound
+    assert held.sum() <= 2 * 20 and held[0, 0] != held[0, 1]  # within the layer's budget, shared unevenly
     for head in range(2):
         real = kept[0, head][kept[0, head] >= 0]
         assert real[-8:].tolist() == list(range(32, 40))  # the window, whole
@@ -42,7 +52,7 @@ def test_selection_is_ragged_padded_and_keeps_the_window():
             and values[0, head][kept[0, head] == EMPTY].abs().sum() == 0
         )
     trimmed = trim_padding(keys, values, kept)[2]
-    assert trimmed.shape[-1] == int(held.max()) and (trimmed[0] >= 0).sum() == 40
+    assert trimmed.shape[-1] == int(held.max()) and (trimmed[0] >= 0).sum() == held.sum()
 
 
 def test_a_full_floor_is_snapkv(tiny_engine):
@@ -93,7 +103,7 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
 
     assert _config(
         build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--method", "adasnapkv"])
-    ) == AdaSnapKVConfig(max_capacity_prompt=1024)
+    ) == AdaSnapKVConfig(ratio=0.5, min_capacity_prompt=512)  # the default budget, its floor
     assert parse_spec("adasnapkv@25%").config(400) == AdaSnapKVConfig(max_capacity_prompt=400)
     body = {
         "model": "tiny",
@@ -109,7 +119,7 @@ def test_chosen_by_name_in_the_server_the_cli_and_the_evals(tiny_engine):
     from snapkv_rag.server.protocol import ServerSettings
     from snapkv_rag.server.protocol import _compression as snapkv_config
 
-    settings = ServerSettings(model_name="tiny")
+    settings = ServerSettings(model_name="tiny", compression=SnapKVConfig())
     assert snapkv_config({"method": "adasnapkv", "floor": 0.5}, settings) == AdaSnapKVConfig(floor=0.5)
     assert snapkv_config({"method": "kvzip", "share": "layer"}, settings).share == "layer"
     with pytest.raises(Exception, match="not a setting of method snapkv"):

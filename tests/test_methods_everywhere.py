@@ -9,8 +9,9 @@ from server_testing import running_server
 from snapkv_testing import filler_documents
 
 from evals.methods import parse_spec
-from snapkv_rag import DocSnapKVConfig, SnapKVConfig
+from snapkv_rag import DocSnapKVConfig
 from snapkv_rag.cli import _config, build_parser
+from snapkv_rag.methods import DEFAULT_COMPRESSION
 from snapkv_rag.methods import selection as compression
 
 QUESTION = "Which harbour lies north?"
@@ -59,7 +60,7 @@ def test_the_server_takes_the_method_in_its_snapkv_field(tiny_engine):
 def test_the_cli_method_flag_and_the_evals_specs():
     args = build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--method", "docsnapkv", "--budget", "25%"])
     assert _config(args) == DocSnapKVConfig(ratio=0.25)
-    assert type(_config(build_parser().parse_args(["ask", "q?", "--docs", "a.txt"]))) is SnapKVConfig
+    assert _config(build_parser().parse_args(["ask", "q?", "--docs", "a.txt"])) == DEFAULT_COMPRESSION
     assert parse_spec("docsnapkv@25%").config(400) == DocSnapKVConfig(max_capacity_prompt=400)
 
 

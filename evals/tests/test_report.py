@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from evals.plots import against_budget, share_of
-from evals.report import add_paired_deltas, aggregate, collect_rows
+from evals.plots import against_budget, against_bytes, share_of
+from evals.report import add_paired_deltas, aggregate, bytes_table, collect_rows
 
 
 def _row(example: str, method: str, f1: float) -> dict:
@@ -65,6 +65,31 @@ def test_fidelity_is_plotted_against_the_share_kept_only_for_methods_run_at_a_sh
     tokens = [c | {"method": c["method"].replace("%", "")} for c in cells]  # token budgets only: nothing to draw
     assert not against_budget(tokens, "identical_to_full", "same answer", tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_fidelity_is_printed_and_plotted_against_the_bytes_kept_whatever_the_budgets_label(tmp_path):
+    ratios = {"full": 1.0, "snapkv@25%": 0.25, "snapkv@512": 0.4, "kvzip@25%": 0.3, "pyramidkv@50%": 0.45}
+    rows = [
+        _row(f"e{i}", method, 0.5) | {"identical_to_full": float(i % 2), "f1_vs_full": 0.5, "kv_ratio": ratio}
+        for i in range(4)
+        for method, ratio in ratios.items()
+    ]
+    add_paired_deltas(rows)
+    overall = aggregate(rows, ("dataset", "method"))
+    table = bytes_table(overall).splitlines()
+    assert table[0].startswith("| dataset | method | n | budget | KV kept | same as full |")
+    assert [line.split(" | ")[1] for line in table[2:]] == [
+        "snapkv@25%",
+        "kvzip@25%",
+        "snapkv@512",
+        "pyramidkv@50%",
+        "full",
+    ]  # in order of the bytes kept, a budget in tokens among the shares
+    cells = [r | {"panel": "nq, N=5"} for r in overall]
+    assert against_bytes(cells, "identical_to_full", "same answer", tmp_path / "bytes.png")
+    assert (tmp_path / "bytes.png").stat().st_size > 1000
+    old = [{k: v for k, v in c.items() if k != "kv_ratio"} for c in cells]  # rows without the figure: nothing to draw
+    assert not against_bytes(old, "identical_to_full", "same answer", tmp_path / "none.png")
 
 
 def test_runs_split_by_methods_report_together_with_each_prompts_full_cache_once(tmp_path):

@@ -180,7 +180,7 @@ def test_cli_end_to_end_writes_tables_and_plots(tmp_path, tiny):
     summary = (out / "summary.md").read_text()
     assert "| nq | full |" in summary and "F1 - full F1 (paired)" in summary
     assert (out / "summary.csv").read_text().splitlines()[0].startswith("dataset,num_docs,gold_position,method,n")
-    for name in ("answer_f1_vs_n", "citation_f1_vs_n", "accuracy_vs_position", "hit_rate_vs_n", "fidelity_vs_budget"):
+    for name in ("answer_f1_vs_n", "citation_f1_vs_n", "accuracy_vs_position", "hit_rate_vs_n", "fidelity_vs_bytes"):
         assert (out / "plots" / f"{name}.png").stat().st_size > 1000
 
 

@@ -37,7 +37,8 @@ class EngineSpec(BaseModel):
     trust_remote_code: bool = False
     snapkv: Any = None
     """A compression config (``SnapKVConfig(...)``), ``False`` for the full cache, or ``None`` to
-    keep the engine's default (SnapKV)."""
+    keep the engine's default (lookahead SnapKV at half of each prompt, never below 512 tokens:
+    :data:`snapkv_rag.methods.DEFAULT_COMPRESSION`)."""
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None

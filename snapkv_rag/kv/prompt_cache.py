@@ -81,18 +81,21 @@ class Compressed:
         return {i: layer.positions for i, layer in enumerate(self.layers) if isinstance(layer, LayerKV)}
 
     def kv_bytes(self) -> tuple[int, int]:
-        """(bytes the full cache holds for the prompt, bytes this one holds), over attention layers."""
-        full = kept = 0
+        """(bytes the full cache holds for the prompt, bytes this one holds), over attention layers, as
+        a request's row of the slot cache holds them (:mod:`snapkv_rag.kv.slot_cache`): every layer as
+        wide as the row's widest layer (a layer's heads padded to its widest head), so these are the
+        bytes the cache occupies while it decodes, not fewer for a layer or head that keeps less."""
+        per_token, widest, whole = 0, 0, 0
         for spec, layer in zip(self.specs, self.layers):
             if isinstance(layer, LayerKV):
-                per_token = (
+                per_token += (
                     layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
                 )
-                full += per_token * (
-                    self.prompt_tokens if spec.window is None else min(self.prompt_tokens, spec.window - 1)
+                widest = max(widest, layer.slots)
+                whole = max(
+                    whole, self.prompt_tokens if spec.window is None else min(self.prompt_tokens, spec.window - 1)
                 )
-                kept += per_token * layer.slots
-        return full, kept
+        return per_token * whole, per_token * widest
 
 
 class PromptLayer(DynamicLayer):
@@ -227,7 +230,7 @@ class _Compressor:
     def finish(self) -> None:
         """The methods whose budget the layers share: rank every layer's scores together, then keep."""
         for name, layers in self.ranked.items():
-            method, total, scores = self.out[name][0].method, 0, {}
+            method, total, scores, most = self.out[name][0].method, 0, {}, []
             begin = time.perf_counter()
             for i, (prefix, k, v, _, share) in layers.items():
                 if prefix is None:  # no longer than its budget: kept whole
@@ -237,9 +240,10 @@ class _Compressor:
                 else:
                     scores[i] = prefix[0]
                     total += share
+                    most.append(share // prefix.shape[1])  # the layer's budget per head: a memory bound
             if not scores:
                 continue
-            counts = shared_budget.global_counts(list(scores.values()), total, method.share, method.fit)
+            counts = shared_budget.global_counts(list(scores.values()), total, method.share, method.fit, most)
             for (i, prefix), count in zip(scores.items(), counts):
                 _, k, v, window, _ = layers[i]
                 heads = k.shape[1]  # latent attention: one shared ranking, the same positions in every head

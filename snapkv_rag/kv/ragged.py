@@ -3,8 +3,8 @@
 A layer whose heads keep different counts (KVzip's model-wide ranking, Ada-SnapKV) is computed and
 decoded padded to its widest head: per head the empty slots first, at position ``-1`` with zero K/V,
 then the kept ones (:mod:`snapkv_rag.methods.adaptive`). Stored like that, a document set holds the padding
-too (about 0.70 of the full cache's bytes for KVzip at half the positions kept). Packed, it holds
-only what was kept:
+too (the budget's bytes, the widest head holding the budget, with fewer positions kept). Packed, it
+holds only what was kept:
 
     packed = pack(layer_kv)          # keys [N, D], values [N, D_v], positions [N], counts [H_kv]
     layer_kv = unpack(packed)        # the padded layer again, exactly (empty slots first per head)

@@ -7,6 +7,7 @@ name; :mod:`~snapkv_rag.methods.selection` holds the pure tensor functions they 
 
 from .ada import AdaSnapKVConfig
 from .base import Method
+from .default import DEFAULT_COMPRESSION
 from .docsnapkv import DocSnapKVConfig
 from .h2o import H2OConfig
 from .keynorm import KeyNormConfig
@@ -20,6 +21,7 @@ from .streaming import StreamingLLMConfig
 
 __all__ = [
     "Method",
+    "DEFAULT_COMPRESSION",
     "METHODS",
     "register",
     "method_class",

@@ -14,8 +14,12 @@ class AdaSnapKVConfig(SnapKVConfig):
     KV heads by vote, not split evenly. Each head keeps its ``floor`` share of the even split (the
     safeguard) and the window; the rest of the layer's ``H_kv x (max_capacity_prompt - window)``
     prefix slots go to the best-voted positions of any head, so a head whose attention is spread
-    keeps more and a focused head less. The cache holds each layer padded only to its largest
-    head: shorter heads' empty slots are masked, never attended (:mod:`snapkv_rag.methods.adaptive`).
+    keeps more and a focused head less. The cache holds each layer padded to its largest head
+    (shorter heads' empty slots are masked, never attended), and the budget is a memory bound: no
+    head keeps more than ``max_capacity_prompt`` positions (window included), so the layer holds
+    SnapKV's bytes at the same budget, the votes followed until the first head is full, which keeps
+    fewer positions than SnapKV's even split when the heads' votes differ
+    (:mod:`snapkv_rag.methods.adaptive`).
     """
 
     floor: float = 0.2

@@ -4,11 +4,13 @@ cache they need.
 A layer's prefix budget ``H_kv x (capacity - window)`` is shared between its heads by SnapKV's
 pooled votes: every head keeps its best ``floor x (capacity - window)`` positions, and the rest of
 the budget goes to the best-voted positions left in any head. Heads then hold different counts;
-the layer is stored padded only to its largest head, the empty slots with position ``-1`` (the
-slot cache masks them, so they are never attended) and zero K/V. :func:`trim_padding` drops the
-columns that every head of a row leaves empty, so a request holds the same slots in a batch as
-alone. Bytes held: ``H_kv x (largest head + window)`` per layer, between SnapKV's
-``H_kv x capacity`` and the full prompt's; :func:`held_share` says how much of that is used.
+the layer is stored padded to its largest head, the empty slots with position ``-1`` (the slot
+cache masks them, so they are never attended) and zero K/V. The budget is a memory bound: no head
+holds more than ``capacity - window`` positions, so a layer never holds more slots than SnapKV's at
+the same budget (:func:`head_counts`' ``most``: the vote's ranking is kept only up to where its
+first head is full, which keeps fewer positions than the even split when the heads' votes differ).
+:func:`trim_padding` drops the columns that every head of a row leaves empty, so a request holds the
+same slots in a batch as alone; :func:`held_share` says how much of the held slots is used.
 """
 
 from __future__ import annotations
@@ -26,16 +28,22 @@ EMPTY = -1
 """The position of a slot that holds nothing (masked in decode)."""
 
 
-def head_counts(ranked: torch.Tensor, per_head: int, floor: int) -> torch.Tensor:
+def head_counts(ranked: torch.Tensor, per_head: int, floor: int, most: int | None = None) -> torch.Tensor:
     """``[B, H]``: how many prefix positions each head keeps out of ``H x per_head``, from each
     head's scores ``ranked`` best first ``[B, H, n]``: its ``floor`` best, then the best scores
     left across all heads of the row (ties: lower head first). A head's chosen ones are a prefix of
-    its ranking, so its count says which they are."""
+    its ranking, so its count says which they are. ``most``: no head keeps more (the layer's padded
+    width, a memory bound): the row's ranking is followed only until its first head holds ``most``."""
     b, h, n = ranked.shape
     ranked = ranked.clone()
     ranked[..., :floor] = float("inf")  # the safeguard is always chosen
-    chosen = ranked.reshape(b, h * n).argsort(dim=-1, descending=True, stable=True)[:, : h * per_head]
-    return torch.zeros(b, h * n, dtype=torch.long, device=ranked.device).scatter_(1, chosen, 1).view(b, h, n).sum(-1)
+    order = ranked.reshape(b, h * n).argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(h * n, device=order.device).expand(b, -1))
+    take = torch.full((b, 1), h * per_head, dtype=torch.long, device=order.device)
+    if most is not None and most < n:  # where a head would pass ``most``: its most-th best is the last one taken
+        full = rank.view(b, h, n)[..., max(most, 1) - 1].amin(-1, keepdim=True) + 1
+        take = torch.minimum(take, full.clamp(min=h * min(floor, most)))  # every head's floor still kept
+    return (rank < take).view(b, h, n).sum(-1)
 
 
 def ada_snapkv_select(
@@ -62,7 +70,7 @@ def ada_snapkv_select(
         pooled = pooled.masked_fill(~real[:, None, :], NEG_INF)
     per_head = capacity - window
     order = best_positions(pooled, pooled.shape[-1])  # [B, H, n]: each head's positions, best first
-    counts = head_counts(pooled.gather(-1, order), per_head, int(config.floor * per_head))
+    counts = head_counts(pooled.gather(-1, order), per_head, int(config.floor * per_head), most=per_head)
     return keep_ranked(order, key_states, value_states, counts, window)
 
 

@@ -19,17 +19,18 @@ class KVzipConfig(SnapKVConfig):
     costs a second prompt's worth of prefill; a model with recurrent layers one more (the re-read
     would run their states on: they are taken from a pass over the prompt alone).
 
-    ``share`` says who shares the budget (:mod:`snapkv_rag.methods.shared_budget`). ``"model"`` (default,
-    the paper's): every position of every layer and KV head is ranked together and the best ones
-    kept, as many as the even split would keep in all (``fit="positions"``), plus the last
-    ``window_size`` positions; heads then hold different counts, and each layer is decoded padded
-    to its widest head, so a request's cache holds more bytes than the kept share
-    (``Compressed.kv_bytes`` says how many; a stored document set packs the heads without padding,
-    :mod:`snapkv_rag.kv.ragged`). ``fit="slots"``: the best positions that fit the even split's slots once padded
-    (the kept share's bytes, fewer positions). ``"layer"``: the same ranking's count per layer,
-    split evenly between its heads; ``"head"``: every head of every layer the same count (both
-    dense). A shared ranking holds every layer's full K/V until the pass ends. ``sink_tokens``: the
-    first positions, always kept (attention sinks).
+    ``share`` says who shares the budget (:mod:`snapkv_rag.methods.shared_budget`). The budget is a
+    memory bound: no layer keeps more than ``max_capacity_prompt`` slots per head (a request's cache
+    is decoded with every layer padded to its widest head and as wide as its widest layer, so more in
+    one head or layer would cost those bytes in all of them). ``"model"`` (default, the paper's):
+    every position of every layer and KV head is ranked together, each layer's part of the ranking
+    followed until its first head is full, plus the last ``window_size`` positions: heads hold
+    different counts within SnapKV's bytes (``Compressed.kv_bytes`` says how many; a stored document
+    set packs the heads without padding, :mod:`snapkv_rag.kv.ragged`). ``fit="slots"``: the best
+    positions that fit the even split's slots once padded. ``"layer"``: the same ranking's count per
+    layer, split evenly between its heads, and ``"head"``: every head of every layer the same count
+    (both dense: within the bound, the even split). A shared ranking holds every layer's full K/V
+    until the pass ends. ``sink_tokens``: the first positions, always kept (attention sinks).
     """
 
     kernel_size: int = 1

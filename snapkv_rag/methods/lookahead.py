@@ -16,7 +16,8 @@ class LookaheadSnapKVConfig(AdaSnapKVConfig):
     then the draft is dropped and the answer is decoded from the compressed cache as for any method.
     By default (``floor=1.0``) every KV head keeps the same count: the cache has SnapKV's shapes and
     bytes at the same budget, so it decodes as fast; a lower ``floor`` shares each layer's budget
-    between its heads by vote as :class:`AdaSnapKVConfig` does (ragged heads, padded: more bytes).
+    between its heads by vote as :class:`AdaSnapKVConfig` does (ragged heads, padded to the widest,
+    which holds at most the budget: the same bytes, fewer positions kept).
     The draft costs at most ``lookahead`` passes over the full prompt, fewer where its next tokens
     are guessed right from the prompt or the model's earlier drafts (counted in the selection time);
     sliding-window layers vote with the prompt's window alone. Not served from the prefix cache.

@@ -12,10 +12,12 @@ from .snapkv import SnapKVConfig
 class PyramidKVConfig(SnapKVConfig):
     """PyramidKV: SnapKV votes with per-layer budgets that shrink linearly with depth.
 
-    Budgets go linearly from ``top`` (first layer) to ``bottom`` (last layer), with
-    ``bottom = window_size + (max_capacity_prompt - window_size) * min_ratio`` and
-    ``top = 2 * max_capacity_prompt - bottom``, so that the mean over layers stays
-    ``max_capacity_prompt``: the same total memory as SnapKV at that budget.
+    Budgets go linearly from ``max_capacity_prompt`` (first layer) to
+    ``bottom = window_size + (max_capacity_prompt - window_size) * min_ratio`` (last layer). The
+    budget is a memory bound: no layer keeps more than ``max_capacity_prompt`` (a request's cache is
+    decoded with every layer as wide as its widest, so a layer above the budget would cost its bytes
+    in every layer); the deeper layers keep fewer positions in those bytes, their slots left empty.
+    (The paper's pyramid keeps the mean at the budget, with its first layers above it.)
     """
 
     min_ratio: float = 0.2
@@ -28,8 +30,8 @@ class PyramidKVConfig(SnapKVConfig):
 
     def budget_for_layer(self, layer_idx: int, num_layers: int) -> int:
         bottom = self.window_size + (self.max_capacity_prompt - self.window_size) * self.min_ratio
-        top = 2 * self.max_capacity_prompt - bottom
+        top = self.max_capacity_prompt
         if num_layers == 1:
-            return self.max_capacity_prompt
+            return top
         budget = top - (top - bottom) * layer_idx / (num_layers - 1)
-        return max(self.window_size + 1, int(round(budget)))
+        return min(top, max(self.window_size + 1, int(round(budget))))

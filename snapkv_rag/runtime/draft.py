@@ -51,6 +51,13 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
     with the lookahead ones' compressed caches added (their selection time includes the draft)."""
     if len(prompts) != 1:
         raise ValueError("lookahead: one prompt per prefill (its draft follows its own prompt)")
+    whole = kept_whole(methods, len(prompts[0]))
+    if whole:  # kept whole, nothing is selected: no draft, the full cache under the method's name
+        out = runner.prefill(prompts, {name: None if name in whole else m for name, m in methods.items()})
+        for name in whole:
+            for compressed in out.compressed[name]:
+                compressed.method = methods[name]
+        return out
     ahead = {name: m for name, m in methods.items() if m is not None and m.drafts}
     others = {name: m for name, m in methods.items() if name not in ahead} or {WHOLE: None}
     prompt = prompts[0]
@@ -78,6 +85,16 @@ def prefill(runner, prompts: list[list[int]], methods: Mapping[str, Any]):
         rows[0].selection_s = spent
         compressed[name] = rows
     return dataclasses.replace(first, compressed=compressed, prefill_s=first.prefill_s + spent)
+
+
+def kept_whole(methods: Mapping[str, Any], length: int) -> set[str]:
+    """The lookahead methods of ``methods`` whose budget (in tokens) holds a ``length``-token prompt
+    whole: their cache is the full one, whatever a draft would vote for."""
+    return {
+        name
+        for name, m in methods.items()
+        if m is not None and m.drafts and m.ratio is None and length <= m.max_capacity_prompt
+    }
 
 
 def draft_and_vote(

@@ -5,11 +5,11 @@ no web framework. Every bad input is an :class:`APIError` carrying OpenAI's erro
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as fields_of
 from typing import Any
 
-from ..methods import METHODS, SnapKVConfig
+from ..methods import DEFAULT_COMPRESSION, METHODS, SnapKVConfig
 from ..request.tools import ToolPlan
 from . import logprobs, tool_calls
 from .errors import APIError, bad, typed
@@ -39,10 +39,11 @@ class ServerSettings:
     max_streams: int = 64
     """``--max-streams``: more streamed responses open at once get 429 (``stream: true``)."""
     cors_origins: tuple[str, ...] = ()
-    compression: SnapKVConfig | None = SnapKVConfig()
-    """The server's default compression (``None``: the full cache); per-request ``snapkv`` objects
-    change fields of it (or of a default ``SnapKVConfig`` when it is ``None``)."""
-    base_compression: SnapKVConfig = field(default_factory=SnapKVConfig)
+    compression: SnapKVConfig | None = DEFAULT_COMPRESSION
+    """The server's default compression (``None``: the full cache; by default the engine's default,
+    :data:`~snapkv_rag.methods.DEFAULT_COMPRESSION`); per-request ``snapkv`` objects change fields of
+    it (or of ``base_compression`` when it is ``None``)."""
+    base_compression: SnapKVConfig = DEFAULT_COMPRESSION
 
 
 @dataclass
@@ -158,11 +159,11 @@ def snapkv_fields() -> tuple[str, ...]:
 
 def _switch_method(name: Any, base):
     """``base`` (the server's compression) as method ``name``: the budget carries over, and the other
-    settings the server changed from SnapKV's defaults where the method has them; the rest are the
-    method's own defaults."""
+    settings the server changed from its method's defaults where the method has them; the rest are
+    the method's own defaults."""
     if not isinstance(name, str) or name not in METHODS:
         raise bad("snapkv.method", f"must be one of {', '.join(METHODS)}, got {json.dumps(name)}")
-    plain, target = SnapKVConfig(), {f.name for f in fields_of(METHODS[name])}
+    plain, target = type(base)(), {f.name for f in fields_of(METHODS[name])}
     carried = {
         f.name: getattr(base, f.name)
         for f in fields_of(base)
