@@ -107,30 +107,12 @@ def test_an_eager_decode_step_never_waits_for_the_device(tiny_model, tokenizer):
     assert {op: counter.ops[op] for op in SYNCS} == {op: 0 for op in SYNCS}
 
 
-def test_sampled_rows_pick_inside_the_compiled_step_as_eager_ones_do(tiny_model, tokenizer, plain):
-    """Temperature and top-p rows are sampled inside the compiled step: each seeded request gets the
-    tokens it gets from the eager engine, alone or beside greedy rows."""
-    args = [
-        dict(a, temperature=t, top_p=p, seed=7 + i)
-        for i, (a, (t, p)) in enumerate(zip(workload(4), [(0.9, 1.0), (0.0, 1.0), (0.8, 0.7), (1.2, 0.9)]))
-    ]
+def assert_compiled_answers_as_eager(tiny_model, tokenizer, plain, args: list[dict], decode_attention="sdpa"):
+    """``args`` answered alone by the eager engine and together by a compiled one: the same texts,
+    and the step compiled (no fallback to eager)."""
     alone = [plain.generate(a["question"], **{k: v for k, v in a.items() if k != "question"}) for a in args]
     compiled = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, compile=True, max_batch=4)
-    try:
-        got = run_together(compiled, args)
-    finally:
-        compiled.close()
-    assert compiled.runner.fallback is None
-    assert [r.text for r in got] == [r.text for r in alone]
-
-
-def test_the_split_decode_attention_answers_as_torch_attention_does(tiny_model, tokenizer, plain):
-    """``decode_attention="split"`` (plain ops that inductor fuses into split reductions over the
-    slots): the same answers as the eager engine, rows of unequal lengths in one batch."""
-    args = workload(4)
-    alone = [plain.generate(a["question"], **{k: v for k, v in a.items() if k != "question"}) for a in args]
-    compiled = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, compile=True, max_batch=4)
-    compiled.runner.decode_attention = "split"
+    compiled.runner.decode_attention = decode_attention
     torch._dynamo.reset()
     try:
         got = run_together(compiled, args)
@@ -138,3 +120,19 @@ def test_the_split_decode_attention_answers_as_torch_attention_does(tiny_model, 
         compiled.close()
     assert compiled.runner.fallback is None
     assert [r.text for r in got] == [r.text for r in alone]
+
+
+def test_sampled_rows_pick_inside_the_compiled_step_as_eager_ones_do(tiny_model, tokenizer, plain):
+    """Temperature and top-p rows are sampled inside the compiled step: each seeded request gets the
+    tokens it gets from the eager engine, alone or beside greedy rows."""
+    args = [
+        dict(a, temperature=t, top_p=p, seed=7 + i)
+        for i, (a, (t, p)) in enumerate(zip(workload(4), [(0.9, 1.0), (0.0, 1.0), (0.8, 0.7), (1.2, 0.9)]))
+    ]
+    assert_compiled_answers_as_eager(tiny_model, tokenizer, plain, args)
+
+
+def test_the_split_decode_attention_answers_as_torch_attention_does(tiny_model, tokenizer, plain):
+    """``decode_attention="split"`` (plain ops that inductor fuses into split reductions over the
+    slots): the same answers as the eager engine, rows of unequal lengths in one batch."""
+    assert_compiled_answers_as_eager(tiny_model, tokenizer, plain, workload(4), decode_attention="split")

@@ -54,7 +54,7 @@ sys.modules.update(dict.fromkeys({GPU_IMAGE_ABSENT!r}))  # None: `import` fails,
 def _copied_tree(tmp_path: Path) -> Path:
     root = HERE.parent
     files = subprocess.run(
-        ["git", "ls-files", "pyproject.toml", "snapkv_rag", "benchmarks", "evals", "tests"],
+        ["git", "ls-files", "pyproject.toml", "conftest.py", "snapkv_rag", "benchmarks", "evals", "tests"],
         cwd=root,
         check=True,
         capture_output=True,
