@@ -45,7 +45,7 @@ AGAINST_SNAPKV = (
     "kv_bytes_kept",
     "kv_ratio",
 )
-BY_BYTES = ("kv_ratio", "identical_to_full", "f1_vs_full", "f1_minus_full")
+BY_BYTES = ("kv_ratio", "identical_to_full", "same_minus_snapkv", "f1_vs_full", "f1_minus_full")
 """The columns of the fidelity-against-kept-bytes table (:func:`bytes_table`)."""
 TABLE_COLUMNS = (
     "f1",
@@ -252,6 +252,7 @@ def write_all(out: Path) -> str:
     by_n = aggregate(rows, ("dataset", "num_docs", "method"))
     by_position = aggregate(rows, ("dataset", "gold_position", "method"))
     overall = aggregate(rows, ("dataset", "method"))
+    pooled = aggregate(rows, ("method",))
     write_csv(cells, out / "summary.csv")
     questions = {(r["dataset"], r["question_id"]) for r in rows}
     text = [
@@ -272,6 +273,10 @@ def write_all(out: Path) -> str:
         "and budget line up on it. 'F1 - full F1' is against the gold answers, paired with the full cache.",
         "",
         bytes_table(overall),
+        "",
+        "Over every prompt of every dataset:",
+        "",
+        bytes_table(pooled, ("method",)),
         "",
         "## By dataset and method (all N and positions)",
         "",
@@ -307,4 +312,4 @@ def write_all(out: Path) -> str:
     from .plots import plot_all
 
     plot_all(rows, by_n, cells, out / "plots")
-    return bytes_table(overall)
+    return bytes_table(overall) + "\n\n" + bytes_table(pooled, ("method",))

@@ -103,10 +103,11 @@ class SnapKVLLM:
     given is used or refused with what works. The model's attention is routed through our
     wrapper (identical for other callers); :meth:`close` switches it back. ``snapkv`` is the
     compression of every call that does not choose its own (``False``/``None``: full cache); by
-    default lookahead SnapKV keeping half of each prompt, never fewer than 512 tokens
-    (:data:`~snapkv_rag.methods.DEFAULT_COMPRESSION`: the method and budget the project's evals show
-    keep the full cache's answers most often per byte; ``SnapKVConfig()`` is plain SnapKV at 1,024
-    tokens, as before). ``prefill_chunk`` runs each MLP over a
+    default lookahead SnapKV drafting 4 tokens, keeping half of each prompt, never fewer than 512
+    tokens (:data:`~snapkv_rag.methods.DEFAULT_COMPRESSION`: of the methods within about 1.25x
+    SnapKV's time to the compressed cache, the one the project's evals show keeps the full cache's
+    answers most often per byte; ``SnapKVConfig()`` is plain SnapKV at 1,024 tokens, as before).
+    ``prefill_chunk`` runs each MLP over a
     long prompt in slices of that many tokens; ``compile=True`` (or a ``torch.compile`` mode name)
     decodes from fixed-size buffers through a step compiled by ``torch.compile``, on CUDA replayed
     from CUDA graphs (``"eager-graph"``: the eager step captured, not compiled). ``max_batch`` requests decode together

@@ -32,7 +32,7 @@ def llm(tiny_model, tokenizer):
 
 
 def test_the_default_is_lookahead_at_half_of_each_prompt_above_a_floor():
-    assert DEFAULT_COMPRESSION == LookaheadSnapKVConfig(ratio=RATIO, min_capacity_prompt=FLOOR)
+    assert DEFAULT_COMPRESSION == LookaheadSnapKVConfig(ratio=RATIO, min_capacity_prompt=FLOOR, lookahead=4)
     assert RATIO == 0.5 and DEFAULT_COMPRESSION.floor == 1.0  # an even split: SnapKV's bytes
     assert FLOOR == 512 and DEFAULT_COMPRESSION.for_prompt(701).max_capacity_prompt == FLOOR
     assert DEFAULT_COMPRESSION.for_prompt(1146).max_capacity_prompt == 573
@@ -66,6 +66,10 @@ def test_a_prompt_under_the_floor_is_kept_whole_without_a_draft_and_one_above_ke
 def test_the_cli_the_server_and_the_adapters_default_to_it(llm):
     assert _config(build_parser().parse_args(["ask", "q?", "--docs", "a.txt"])) == DEFAULT_COMPRESSION
     assert _config(build_parser().parse_args(["serve"])) == DEFAULT_COMPRESSION
+    quarter = _config(build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--budget", "25%"]))
+    assert quarter == LookaheadSnapKVConfig(ratio=0.25, lookahead=4)  # the default method, its own settings
+    named = _config(build_parser().parse_args(["ask", "q?", "--docs", "a.txt", "--method", "lookahead"]))
+    assert named.lookahead == 8  # a method named: its own defaults
     settings = ServerSettings(model_name="tiny")
     assert settings.compression == settings.base_compression == DEFAULT_COMPRESSION
     # another method named in a request takes the default's budget and floor, and its own settings

@@ -37,7 +37,7 @@ class EngineSpec(BaseModel):
     trust_remote_code: bool = False
     snapkv: Any = None
     """A compression config (``SnapKVConfig(...)``), ``False`` for the full cache, or ``None`` to
-    keep the engine's default (lookahead SnapKV at half of each prompt, never below 512 tokens:
+    keep the engine's default (lookahead SnapKV drafting 4 tokens, at half of each prompt, never below 512 tokens:
     :data:`snapkv_rag.methods.DEFAULT_COMPRESSION`)."""
     temperature: float | None = None
     top_p: float | None = None
