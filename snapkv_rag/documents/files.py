@@ -215,21 +215,28 @@ def _check_meta(llm, path: Path, meta) -> dict:
     return mine
 
 
-def check_header(llm, path) -> dict:
-    """The metadata of the file at ``path`` once its header says it is a document cache file for
-    ``llm`` (its tensors are not read: :func:`load` checks them); else a ``ValueError`` naming it."""
-    path = Path(path)
+def _read(path: Path, tensors: bool) -> tuple[dict | None, dict]:
+    """The metadata saved in the file at ``path`` (``None`` when missing or not JSON) and, if
+    ``tensors``, its tensors; a ``ValueError`` naming the file when it cannot be read."""
     try:
         with safe_open(str(path), framework="pt") as f:
             raw = (f.metadata() or {}).get(META)
+            read = {name: f.get_tensor(name) for name in f.keys()} if tensors else {}
     except (SafetensorError, OSError, RuntimeError, ValueError) as error:
         raise ValueError(
             f"path: {path} is not a readable document cache file (corrupt or truncated: {error})"
         ) from error
     try:
-        meta = json.loads(raw) if raw is not None else None
+        return (json.loads(raw) if raw is not None else None), read
     except ValueError:
-        meta = None
+        return None, read
+
+
+def check_header(llm, path) -> dict:
+    """The metadata of the file at ``path`` once its header says it is a document cache file for
+    ``llm`` (its tensors are not read: :func:`load` checks them); else a ``ValueError`` naming it."""
+    path = Path(path)
+    meta, _ = _read(path, tensors=False)
     _check_meta(llm, path, meta)
     return meta
 
@@ -239,18 +246,7 @@ def load(llm, path) -> Stored:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path: no file at {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get(META)
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError, RuntimeError, ValueError) as error:
-        raise ValueError(
-            f"path: {path} is not a readable document cache file (corrupt or truncated: {error})"
-        ) from error
-    try:
-        meta = json.loads(raw) if raw is not None else None
-    except ValueError:
-        meta = None
+    meta, tensors = _read(path, tensors=True)
     mine = _check_meta(llm, path, meta)
     if _checksum(tensors) != meta.get("checksum"):
         raise ValueError(f"path: {path} is corrupt: its tensors do not match the checksum saved with them")
