@@ -10,7 +10,7 @@ $py -m pip install -q --upgrade pip
 # by installing it into .venv before running this script.
 $py -c "import torch" 2>/dev/null || $py -m pip install -q "torch==2.13.0"
 extras="evals,examples,server"
-[ "${1:-}" = "--test" ] && extras="evals,examples,server,test,bench,ray,docs"
+[ "${1:-}" = "--test" ] && extras="evals,examples,server,test,bench,ray,docs,quantize"
 $py -m pip install -q -e ".[${extras}]" -e integrations/langchain -e integrations/llama_index
 if [ "${1:-}" = "--test" ]; then
   $py -m pip install -q -e "integrations/langchain[test]" -e "integrations/llama_index[test]"

@@ -107,6 +107,7 @@ def _engine(args, snapkv, **engine_options):
         dtype=args.dtype,
         snapkv=snapkv,
         max_new_tokens=args.max_new_tokens,
+        quantize=args.quantize,
         **engine_options,
     )
     context = getattr(llm.model.config, "max_position_embeddings", None)
@@ -413,6 +414,7 @@ def cmd_serve(args) -> int:
             "model": args.model,
             "device": args.device,
             "dtype": args.dtype,
+            "quantize": args.quantize,
             "snapkv": config,
             "max_new_tokens": args.max_new_tokens,
             "max_batch": args.max_batch,
@@ -479,6 +481,13 @@ def _common_options(
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     common.add_argument(
         "--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on GPU, float32 on CPU)"
+    )
+    common.add_argument(
+        "--quantize",
+        default=None,
+        choices=("int8", "int4"),
+        help="quantize the model's linear layers after loading: int8 (the fastest on a CPU) or int4 "
+        "(the smallest); default: as loaded",
     )
     common.add_argument(
         "--budget",

@@ -25,6 +25,7 @@ from .documents import store as doc_store
 from .kv import prefix_cache
 from .methods import DEFAULT_COMPRESSION, is_method
 from .models import loading
+from .models import quantize as quantizing
 from .request import cited, structured
 from .request.prompts import DEFAULT_INSTRUCTION, REPEAT_INSTRUCTION, DocumentLike
 from .request.results import GenerationResult, Timings, finish_result
@@ -116,7 +117,9 @@ class SnapKVLLM:
     shared by every caller: a prompt whose instruction + documents were prefilled before prefills only
     its question; ``doc_store_bytes`` the compressed document sets' store (:meth:`index_documents`),
     kept in the folder ``doc_store_dir`` too when one is given (read back by a later engine; at most
-    ``doc_store_disk_bytes`` there: :mod:`snapkv_rag.documents.folder`).
+    ``doc_store_disk_bytes`` there: :mod:`snapkv_rag.documents.folder`). ``quantize`` (``"int8"``,
+    ``"int4"``) quantizes the loaded model's linear layers (:mod:`snapkv_rag.models.quantize`); a model
+    quantized by its caller (transformers' ``quantization_config``) runs as it is.
     """
 
     def __init__(
@@ -139,7 +142,14 @@ class SnapKVLLM:
         prefix_cache_bytes: int = prefix_cache.DEFAULT_BYTES,
         doc_store_dir: str | os.PathLike | None = None,
         doc_store_disk_bytes: int = doc_folder.DEFAULT_DISK_BYTES,
+        quantize: str | None = None,
     ):
+        quantize = quantizing.check_quantize(quantize)
+        if quantize and isinstance(model, torch.nn.Module):
+            raise ValueError(
+                f"quantize={quantize!r}: applies to a model the engine loads (a name, folder or None); a model "
+                "you pass runs as it is: quantize it before (e.g. transformers' TorchAoConfig) and leave quantize=None"
+            )
         if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
             raise ValueError(
                 f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, "
@@ -174,6 +184,9 @@ class SnapKVLLM:
         else:
             loaded = loading.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
             self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+            if quantize:
+                quantizing.quantize_model(self.model, quantize)
+        self.quantized = quantizing.quantized_by(self.model)  # None, "int8"/"int4" (ours) or the caller's method
         self.attn_implementation = attention.resolve_implementation(self.model, attn_implementation)
         eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)

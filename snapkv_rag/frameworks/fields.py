@@ -35,6 +35,10 @@ class EngineSpec(BaseModel):
     instruction: str | None = None
     """The citing instruction placed before the question (``None``: the engine's default)."""
     trust_remote_code: bool = False
+    quantize: str | None = None
+    """``"int8"`` or ``"int4"``: the loaded model's linear layers quantized
+    (:mod:`snapkv_rag.models.quantize`); ``None``: as loaded (a model quantized by transformers'
+    ``quantization_config`` runs as it is)."""
     snapkv: Any = None
     """A compression config (``SnapKVConfig(...)``), ``False`` for the full cache, or ``None`` to
     keep the engine's default (lookahead SnapKV drafting 4 tokens, at half of each prompt, never below 512 tokens:

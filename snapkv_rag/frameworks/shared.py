@@ -40,6 +40,7 @@ LOADING_DEFAULTS: dict[str, Any] = {
     "attn_implementation": None,
     "instruction": None,
     "trust_remote_code": False,
+    "quantize": None,
 }
 """The engine parameters that configure loading a model, with their defaults."""
 

@@ -1,0 +1,109 @@
+"""Quantized weights: ``quantize="int8"/"int4"`` on a model the engine loads, and models the caller
+quantized with transformers' ``TorchAoConfig``, through the engine and its fronts. The selection is
+checked against an independent SnapKV over that same quantized model's own full-cache attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from independent_snapkv import assert_kept_kv_are_an_independent_selection
+from snapkv_testing import filler_documents, tiny_llama
+from torch import nn
+from transformers import AutoModelForCausalLM, TorchAoConfig
+
+from snapkv_rag import SnapKVConfig, SnapKVLLM
+from snapkv_rag.models import quantize as quantizing
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BUDGET = SnapKVConfig(max_capacity_prompt=64, window_size=8)
+QUESTION = "Which harbour lies north?"
+LAYERS = {"int8": quantizing.Int8Linear, "int4": quantizing.Int4Linear}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, tokenizer):
+    """A tiny Llama saved as a model folder, as a user's checkpoint would be."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(len(tokenizer), intermediate_size=192).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def user_quantized(folder, scheme: str):
+    """The tiny model loaded the way a user quantizes one: transformers' TorchAoConfig."""
+    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
+
+    config = Int8WeightOnlyConfig() if scheme == "int8" else IntxWeightOnlyConfig(torch.int4, PerGroup(32))
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=TorchAoConfig(config), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantize_replaces_every_linear_layer_and_shrinks_the_weights(folder, scheme):
+    plain = SnapKVLLM(str(folder))
+    llm = SnapKVLLM(str(folder), quantize=scheme)
+    linears = [m for m in plain.model.modules() if isinstance(m, nn.Linear)]
+    quantized = [m for m in llm.model.modules() if isinstance(m, LAYERS[scheme])]
+    head = quantizing.HEAD_BY_DEFAULT[scheme]
+    assert len(quantized) == len(linears) - (0 if head else 1)
+    assert isinstance(llm.model.lm_head, LAYERS[scheme] if head else nn.Linear)
+    assert llm.model.get_input_embeddings().weight.dtype == torch.float32  # the embedding stays
+    assert llm.quantized == scheme and plain.quantized is None
+    blocks = sum(m.weight.numel() * 4 for m in linears if m is not plain.model.lm_head)
+    saved = quantizing.weight_bytes(plain.model) - quantizing.weight_bytes(llm.model)
+    assert saved > blocks * (0.7 if scheme == "int8" else 0.8)  # int8: a quarter left; int4: an eighth (+ scales)
+
+
+@pytest.mark.parametrize("scheme, tolerance", [("int8", 0.02), ("int4", 0.15)])
+def test_a_quantized_layer_is_close_to_its_float_layer_and_rows_do_not_affect_each_other(scheme, tolerance):
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96)
+    layer = LAYERS[scheme](linear)
+    x = torch.randn(5, 7, 256)
+    with torch.inference_mode():
+        exact, got = linear(x), layer(x)
+        alone = torch.cat([layer(x[i : i + 1, j : j + 1]) for i in range(5) for j in range(7)]).view_as(got)
+    assert got.shape == exact.shape and got.dtype == exact.dtype
+    assert ((got - exact).norm() / exact.norm()).item() < tolerance
+    assert torch.equal(alone, got)  # a token's result is the same whatever it is batched with
+
+
+@pytest.mark.parametrize("how", ["int8", "int4", "torchao-int8", "torchao-int4"])
+def test_the_selection_is_exact_against_the_quantized_models_own_attention(folder, tokenizer, how):
+    if how.startswith("torchao"):
+        llm = SnapKVLLM(model=user_quantized(folder, how.split("-")[1]), tokenizer=tokenizer)
+        assert llm.quantized == "torchao"
+    else:
+        llm = SnapKVLLM(str(folder), quantize=how)
+    ids = llm.request(QUESTION, filler_documents(5)).input_ids
+    assert_kept_kv_are_an_independent_selection(llm, ids, BUDGET)
+
+
+@pytest.mark.parametrize("how", ["int8", "torchao-int4"])
+def test_a_quantized_batch_equals_single_calls(folder, tokenizer, how):
+    if how.startswith("torchao"):
+        llm = SnapKVLLM(model=user_quantized(folder, "int4"), tokenizer=tokenizer, max_new_tokens=12)
+    else:
+        llm = SnapKVLLM(str(folder), quantize=how, max_new_tokens=12)
+    questions = [QUESTION, "Who keeps the lighthouse?", "When does the ferry leave?"]
+    documents = [filler_documents(n) for n in (3, 5, 4)]
+    try:
+        batch = llm.generate_batch(questions, documents, batch_size=3, snapkv=BUDGET, ignore_eos=True)
+        single = [llm.generate(q, d, snapkv=BUDGET, ignore_eos=True) for q, d in zip(questions, documents)]
+    finally:
+        llm.close()
+    assert [r.text for r in batch] == [r.text for r in single]
+    assert max(r.timings.batch_size for r in batch) > 1  # they did decode together
+
+
+def test_bad_quantize_values_and_combinations_are_refused_naming_the_option(folder, tokenizer):
+    with pytest.raises(ValueError, match="quantize: expected None, 'int8' or 'int4'"):
+        SnapKVLLM(str(folder), quantize="int3")
+    model = tiny_llama(len(tokenizer))
+    with pytest.raises(ValueError, match="quantize='int8': applies to a model the engine loads"):
+        SnapKVLLM(model=model, tokenizer=tokenizer, quantize="int8")
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))  # left as it was
+    with pytest.raises(ValueError, match=r"quantized already \(torchao\)"):
+        quantizing.quantize_model(user_quantized(folder, "int8"), "int8")
+    twice = quantizing.quantize_model(tiny_llama(len(tokenizer)), "int4")
+    with pytest.raises(ValueError, match=r"quantized already \(int4\)"):
+        quantizing.quantize_model(twice, "int8")
