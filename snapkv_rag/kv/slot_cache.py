@@ -298,17 +298,16 @@ class SlotCache(LayerTrackingCache):
         self.heads, self.row_index, self._no_mask = head_index, row_index, no_mask
 
     def _new_buffers(self, kv: LayerKV, rows: int, capacity: int) -> dict[str, torch.Tensor]:
-        """Zeroed buffers for ``rows`` x ``capacity`` slots of a layer like ``kv`` (its heads, head
-        sizes and compute dtype), stored as this cache's ``kv_dtype``."""
+        """Zeroed buffers for ``rows`` x ``capacity`` slots of a layer like ``kv`` (its device, heads,
+        head sizes and compute dtype), stored as this cache's ``kv_dtype``, each allocated before
+        the next (so that a failed allocation leaves no more than it has taken)."""
         heads, dtype = kv.keys.shape[1], kv.compute_dtype
         storage = dtype if self.kv_dtype is None else quantized.STORAGE[self.kv_dtype]
-        out = {
-            "keys": torch.zeros((rows, heads, capacity, kv.keys.shape[-1]), dtype=storage, device=kv.keys.device),
-            "values": torch.zeros((rows, heads, capacity, kv.values.shape[-1]), dtype=storage, device=kv.keys.device),
-        }
+        shapes = {"keys": kv.keys.shape[-1], "values": kv.values.shape[-1]}
+        out = {name: kv.keys.new_zeros((rows, heads, capacity, size), dtype=storage) for name, size in shapes.items()}
         if self.kv_dtype is not None:
-            out["key_scale"] = torch.zeros((rows, heads, capacity), dtype=dtype, device=kv.keys.device)
-            out["value_scale"] = torch.zeros((rows, heads, capacity), dtype=dtype, device=kv.keys.device)
+            for name in ("key_scale", "value_scale"):
+                out[name] = kv.keys.new_zeros((rows, heads, capacity), dtype=dtype)
         return out
 
     def buffer_bytes(self) -> int:
