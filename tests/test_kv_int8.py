@@ -247,6 +247,13 @@ def test_a_document_file_keeps_its_int8_tensors_and_another_kv_dtype_is_refused(
     with pytest.raises(ValueError, match=r"kv_dtype=None.*this engine has kv_dtype='int8'"):
         int8.load_documents(tmp_path / "floats.safetensors")
     question = "Which castle lies north?"
+    entry = handle.entry()
+    tail = int8.runner.prefill_stored(entry, int8.request(question, handle.documents).input_ids).compressed[""][0]
+    for stored, kv in zip(entry.layers, tail.layers):  # the stored int8 slots as they are, the tail's after them
+        if stored is not None:
+            n = stored.slots
+            assert kv.slots > n and kv.keys.dtype == torch.int8
+            assert torch.equal(kv.keys[..., :n, :], stored.keys) and torch.equal(kv.value_scale[..., :n], stored.value_scale)
     asked = int8.generate(question, handle, max_new_tokens=6, ignore_eos=True)
     assert asked.usage.cached_tokens == handle.prompt_tokens
     assert int8.generate(question, int8.load_documents(path), max_new_tokens=6, ignore_eos=True).text == asked.text
