@@ -253,7 +253,9 @@ def test_a_document_file_keeps_its_int8_tensors_and_another_kv_dtype_is_refused(
         if stored is not None:
             n = stored.slots
             assert kv.slots > n and kv.keys.dtype == torch.int8
-            assert torch.equal(kv.keys[..., :n, :], stored.keys) and torch.equal(kv.value_scale[..., :n], stored.value_scale)
+            assert torch.equal(kv.keys[..., :n, :], stored.keys) and torch.equal(
+                kv.value_scale[..., :n], stored.value_scale
+            )
     asked = int8.generate(question, handle, max_new_tokens=6, ignore_eos=True)
     assert asked.usage.cached_tokens == handle.prompt_tokens
     assert int8.generate(question, int8.load_documents(path), max_new_tokens=6, ignore_eos=True).text == asked.text
