@@ -207,6 +207,21 @@ def test_rows_decoded_together_answer_as_each_alone(engines):
     assert max(r.timings.batch_size for r in batch) > 1
 
 
+def test_max_kv_bytes_admits_more_rows_of_an_int8_cache(tiny_model, tokenizer):
+    """The scheduler's byte bound counts the 8-bit cache: under the same ``max_kv_bytes`` (under two
+    float32 rows of this prompt and its answer's room) an int8 engine decodes 3 rows together, the
+    float one 1."""
+    widest = {}
+    for kv_dtype in (None, "int8"):
+        llm = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, snapkv=BUDGET, max_kv_bytes=60_000, kv_dtype=kv_dtype)
+        try:
+            done = llm.generate_batch([f"Question {i}?" for i in range(6)], [filler_documents(4)] * 6, max_new_tokens=4)
+        finally:
+            llm.close()
+        widest[kv_dtype] = max(r.timings.batch_size for r in done)
+    assert widest == {None: 1, "int8": 3}
+
+
 def test_the_compiled_step_answers_as_the_eager_one(tiny_model, tokenizer, engines):
     """compile=True (torch.compile on the CPU) over int8 slots: the eager int8 engine's tokens, with
     no fallback to eager."""

@@ -17,6 +17,11 @@ window), without a host sync; :meth:`SlotCache.end_step` advances the rows in us
 :meth:`SlotCache.stepped` counts the step on the host. A row of the bucket holding no request writes at its slot 0 and attends
 to it: its numbers stay finite and its token is ignored.
 
+Under a ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`) the keys and values buffers are 8-bit, each
+with a scale buffer ``[rows, H_kv, capacity]`` in the compute dtype: a joining request's layers are
+written quantized, a step's token is quantized as it is written, and the model's attention reads
+the step's slots dequantized (:class:`SlotLayer`).
+
 Recurrent layers (Mamba / linear attention / conv state) keep their states per row, in
 :class:`~snapkv_rag.kv.row_states.RowStates` buffers: a joining request's states are written into its
 row, a leaving row is freed by metadata, and a step over rows ``[0, b)`` hands the model views of

@@ -16,6 +16,10 @@ cache, a prompt whose prefix was prefilled before runs only its rest on top of t
 :class:`~snapkv_rag.kv.slot_cache.SlotCache` and picks the next tokens on the device: greedy inside the
 step; rows that sample or follow a grammar are picked by the caller's ``pick`` after it.
 
+With ``kv_dtype`` (``"int8"``, ``"fp8"``: :mod:`snapkv_rag.kv.quantized`) every kept cache a
+prefill returns is quantized after its selection (:meth:`Runner.stored_as`), and the slot caches
+it makes hold 8-bit buffers with their scales.
+
 A step reads each row's slots in use, not the allocation (:meth:`SlotCache.view_length`), and picks
 its tokens inside itself: greedy, or sampled from each row's own settings
 (:class:`~snapkv_rag.runtime.sampling.SamplingSlots`); only rows under a grammar (or asking for
