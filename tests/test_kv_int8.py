@@ -79,6 +79,29 @@ def test_fp8_quantize_keeps_each_number_within_its_relative_step():
     assert bool(((back - x).abs() <= x.abs() / 16 + floor).all())
 
 
+def test_the_fp8_path_decodes_where_it_is_allowed(tiny_model, tokenizer, engines, monkeypatch):
+    """fp8 is refused off CUDA (below); with that check lifted, the CPU runs its code path too: the
+    kept cache and the slot buffers are float8 with scales, answers those of the float cache."""
+    plain, _ = engines
+    monkeypatch.setattr(quantized, "check_kv_dtype", lambda value, device=None: value)
+    fp8 = SnapKVLLM(model=tiny_model, tokenizer=tokenizer, snapkv=BUDGET, max_new_tokens=8, kv_dtype="fp8")
+    try:
+        (c,) = _prefill(fp8, QUESTIONS[0], 3, {"": BUDGET})[""]
+        assert c.kv_dtype == "fp8" and all(layer.keys.dtype == torch.float8_e4m3fn for layer in _layers(c))
+        slots = fp8.runner.new_slots(1)
+        slots.join(0, c, room=4, token=7)
+        fp8.runner.decode_step(slots, 1)
+        assert slots.attention[0].keys.dtype == torch.float8_e4m3fn
+        assert bool(slots.attention[0].key_scale[0, :, int(slots.write_at[0]) - 1].gt(0).all())
+        slots.leave(0)
+        docs = [filler_documents(d) for d in DOCS]
+        got = fp8.generate_batch(QUESTIONS, docs, ignore_eos=True)
+        want = [plain.generate(q, d, max_new_tokens=8, ignore_eos=True) for q, d in zip(QUESTIONS, docs)]
+        assert sum(a.raw_text == b.raw_text for a, b in zip(got, want)) >= 2
+    finally:
+        fp8.close()
+
+
 def test_bad_values_are_refused_naming_kv_dtype(tiny_model, tokenizer):
     for bad in ("int4", "float16", 8, True):
         with pytest.raises(ValueError, match=r"kv_dtype: must be one of \(None, 'int8', 'fp8'\)"):

@@ -102,6 +102,8 @@ class SlotLayer(DynamicLayer):
             (self.values, self.value_scale, value_states),
         ):
             q, scale = quantized.quantize(states, kv_dtype)
+            if q.dtype != torch.int8:  # float8: written as its bytes (index_put_ need not take float8)
+                buffer, q = buffer.view(torch.uint8), q.view(torch.uint8)
             buffer.index_put_(at, q)
             scales.index_put_(at, scale)
         return (
