@@ -108,6 +108,7 @@ def _engine(args, snapkv, **engine_options):
         snapkv=snapkv,
         max_new_tokens=args.max_new_tokens,
         quantize=args.quantize,
+        kv_dtype=args.kv_dtype,
         **engine_options,
     )
     context = getattr(llm.model.config, "max_position_embeddings", None)
@@ -415,6 +416,7 @@ def cmd_serve(args) -> int:
             "device": args.device,
             "dtype": args.dtype,
             "quantize": args.quantize,
+            "kv_dtype": args.kv_dtype,
             "snapkv": config,
             "max_new_tokens": args.max_new_tokens,
             "max_batch": args.max_batch,
@@ -488,6 +490,13 @@ def _common_options(
         choices=("int8", "int4"),
         help="quantize the model's linear layers after loading: int8 (the fastest on a CPU) or int4 "
         "(the smallest); default: as loaded",
+    )
+    common.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=("int8", "fp8"),
+        help="keep the compressed cache in 8 bits after selection: int8 (one scale per token and head) or "
+        "fp8 (CUDA only); default: the model's dtype",
     )
     common.add_argument(
         "--budget",

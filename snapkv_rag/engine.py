@@ -22,7 +22,7 @@ import torch
 from .documents import folder as doc_folder
 from .documents import stitch
 from .documents import store as doc_store
-from .kv import prefix_cache
+from .kv import prefix_cache, quantized
 from .methods import DEFAULT_COMPRESSION, is_method
 from .models import loading
 from .models import quantize as quantizing
@@ -120,6 +120,13 @@ class SnapKVLLM:
     ``doc_store_disk_bytes`` there: :mod:`snapkv_rag.documents.folder`). ``quantize`` (``"int8"``,
     ``"int4"``) quantizes the loaded model's linear layers (:mod:`snapkv_rag.models.quantize`); a model
     quantized by its caller (transformers' ``quantization_config``) runs as it is.
+    ``kv_dtype`` stores every kept cache in 8 bits after its selection (which still runs on the
+    prompt's full-precision attention): ``"int8"`` (symmetric, one scale per token and head, in the
+    model's dtype: about half of bf16's bytes, a quarter of float32's), ``"fp8"`` (float8 e4m3,
+    CUDA only), ``None`` (the default: the model's dtype, as without it). Decode steps read it
+    dequantized; recurrent states, the prefix cache and per-document caches stay full precision;
+    stored document files keep the 8-bit tensors and load only into an engine of the same
+    ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`, ``docs/engine.md``).
     """
 
     def __init__(
@@ -143,6 +150,7 @@ class SnapKVLLM:
         doc_store_dir: str | os.PathLike | None = None,
         doc_store_disk_bytes: int = doc_folder.DEFAULT_DISK_BYTES,
         quantize: str | None = None,
+        kv_dtype: str | None = None,
     ):
         quantize = quantizing.check_quantize(quantize)
         if quantize and isinstance(model, torch.nn.Module):
@@ -160,6 +168,8 @@ class SnapKVLLM:
             isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk <= 0
         ):
             raise ValueError(f"prefill_chunk: expected a positive number of tokens or None, got {prefill_chunk!r}")
+        # before the model loads (fp8 on a CPU model of a CUDA machine: the runner refuses it)
+        quantized.check_kv_dtype(kv_dtype, None if torch.cuda.is_available() else "cpu")
         if not isinstance(compile, (bool, str)):
             raise ValueError(f"compile: expected True, False or a torch.compile mode name, got {compile!r}")
         if compile and attn_implementation == "flash_attention_2":
@@ -186,7 +196,7 @@ class SnapKVLLM:
             self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
             if quantize:
                 quantizing.quantize_model(self.model, quantize)
-        self.quantized = quantizing.quantized_by(self.model)  # None, "int8"/"int4" (ours) or the caller's method
+        self.weight_quantization = quantizing.quantized_by(self.model)  # None, "int8"/"int4" (ours) or the caller's method
         self.attn_implementation = attention.resolve_implementation(self.model, attn_implementation)
         eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
@@ -202,10 +212,11 @@ class SnapKVLLM:
             prefill_chunk=prefill_chunk,
             compile=compile,
             prefix_cache=self.prefix_cache,
+            kv_dtype=kv_dtype,
         )
         self.runner.repeat_ids = tuple(self.tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False))
         self.device = self.runner.device
-        self.compile, self.prefill_chunk = compile, prefill_chunk
+        self.compile, self.prefill_chunk, self.kv_dtype = compile, prefill_chunk, kv_dtype
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch=max_batch, max_kv_bytes=max_kv_bytes)
         if folder is not None:
             folder.open(self)  # crashed writes cleaned up, bad files named in the log

@@ -47,7 +47,7 @@ def test_quantize_replaces_every_linear_layer_and_shrinks_the_weights(folder, sc
     assert len(quantized) == len(linears) - (0 if head else 1)
     assert isinstance(llm.model.lm_head, LAYERS[scheme] if head else nn.Linear)
     assert llm.model.get_input_embeddings().weight.dtype == torch.float32  # the embedding stays
-    assert llm.quantized == scheme and plain.quantized is None
+    assert llm.weight_quantization == scheme and plain.weight_quantization is None
     blocks = sum(m.weight.numel() * 4 for m in linears if m is not plain.model.lm_head)
     saved = quantizing.weight_bytes(plain.model) - quantizing.weight_bytes(llm.model)
     assert saved > blocks * (0.7 if scheme == "int8" else 0.8)  # int8: a quarter left; int4: an eighth (+ scales)
@@ -71,7 +71,7 @@ def test_a_quantized_layer_is_close_to_its_float_layer_and_rows_do_not_affect_ea
 def test_the_selection_is_exact_against_the_quantized_models_own_attention(folder, tokenizer, how):
     if how.startswith("torchao"):
         llm = SnapKVLLM(model=user_quantized(folder, how.split("-")[1]), tokenizer=tokenizer)
-        assert llm.quantized == "torchao"
+        assert llm.weight_quantization == "torchao"
     else:
         llm = SnapKVLLM(str(folder), quantize=how)
     ids = llm.request(QUESTION, filler_documents(5)).input_ids
@@ -107,3 +107,57 @@ def test_bad_quantize_values_and_combinations_are_refused_naming_the_option(fold
     twice = quantizing.quantize_model(tiny_llama(len(tokenizer)), "int4")
     with pytest.raises(ValueError, match=r"quantized already \(int4\)"):
         quantizing.quantize_model(twice, "int8")
+
+
+# ---------------------------------------------------------------- every front takes both options
+def test_langchain_and_llamaindex_pass_quantize_and_kv_dtype_to_the_engine(folder):
+    from langchain_snapkv import SnapKVLLM as LangChainLLM
+    from llama_index.llms.snapkv import SnapKVLLM as LlamaIndexLLM
+
+    chain = LangChainLLM(model=str(folder), quantize="int8", kv_dtype="int8", max_new_tokens=4, snapkv=BUDGET)
+    index = LlamaIndexLLM(model=str(folder), quantize="int4", kv_dtype="int8", max_new_tokens=4, snapkv=BUDGET)
+    try:
+        assert (chain.engine.weight_quantization, chain.engine.kv_dtype) == ("int8", "int8")
+        assert (index.engine.weight_quantization, index.engine.kv_dtype) == ("int4", "int8")
+        assert isinstance(chain.invoke(QUESTION), str)
+        assert isinstance(index.complete(QUESTION).text, str)
+    finally:
+        chain.close()
+        index.close()
+
+
+def test_the_cli_and_the_server_run_a_quantized_model_with_an_8_bit_cache(folder, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+    from server_testing import running_server
+
+    docs = tmp_path / "a.txt"
+    docs.write_text(" ".join(f"The river number {i} lies north." for i in range(80)))
+    runs = {}
+    for flags in ([], ["--quantize", "int8", "--kv-dtype", "int8"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "snapkv_rag.cli", "ask", "Which river?", "--docs", str(docs), "--model",
+             str(folder), "--budget", "64", "--json", "--max-new-tokens", "2", *flags],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        runs[bool(flags)] = json.loads(out.stdout)["compression"]
+    assert runs[True]["kept_tokens"] == runs[False]["kept_tokens"]
+    assert runs[True]["kv_bytes_kept"] < runs[False]["kv_bytes_kept"] / 3  # int8 + scales against float32
+    bad = subprocess.run(
+        [sys.executable, "-m", "snapkv_rag.cli", "ask", "q", "--model", str(folder), "--quantize", "int2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--quantize" in bad.stderr
+    llm = SnapKVLLM(str(folder), quantize="int8", kv_dtype="int8", max_new_tokens=4)
+    with running_server(llm) as (base, _app):
+        reply = httpx.post(
+            f"{base}/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4},
+            timeout=60,
+        )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] is not None

@@ -3,13 +3,16 @@
 The tensors are ``layer.<i>.keys`` / ``.values`` / ``.positions`` per attention layer, packed
 without padding (every head's kept slots one after another, with ``.counts`` per head and the
 padded ``.width``: :mod:`snapkv_rag.kv.ragged`; a layer that layout does not fit is saved padded, as
-every layer was in the first format, which still loads); a recurrent layer's state after the
+every layer was in the first format, which still loads); under a ``kv_dtype`` (an 8-bit kept
+cache, :mod:`snapkv_rag.kv.quantized`) the keys and values are the 8-bit tensors themselves, with
+``.key_scale`` / ``.value_scale`` beside them, and the metadata names the ``kv_dtype``: a file is
+loaded only by an engine of the same ``kv_dtype`` (another is refused, naming both); a recurrent layer's state after the
 prefix is ``state.<i>.conv_states.<n>`` / ``.recurrent_states.<n>``, its flags in the metadata; the
 safetensors header's metadata holds one JSON string, ``snapkv_rag``: the file format, the
 library version, the model's and tokenizer's identity, the method with its settings, the prefix's
 token ids, the documents (and a hash of their text), the instruction, the entry's key and a
 SHA-256 of the tensor data. Loading checks all of it: a file from another model, dtype,
-tokenizer or library version, an unreadable / truncated file, or data that does not hash to what
+``kv_dtype``, tokenizer or library version, an unreadable / truncated file, or data that does not hash to what
 was saved, is refused with a ``ValueError`` that says which.
 
 Saving writes a temporary file beside ``path`` (``.<name>.<pid>.partial``), flushes it to disk and
@@ -38,9 +41,10 @@ from ..kv.ragged import PackedKV
 from ..request.prompts import Document
 from .stored import Stored, documents_hash, entry_key, identity, method_from_json, method_json
 
-FORMAT = "snapkv-rag-documents/2"  # /2: ragged heads packed (ragged.PackedKV)
-READS = ("snapkv-rag-documents/1", FORMAT)  # /1: every layer padded to its widest head
+FORMAT = "snapkv-rag-documents/3"  # /3: kv_dtype in the metadata, 8-bit K/V with their scales
+READS = ("snapkv-rag-documents/1", "snapkv-rag-documents/2", FORMAT)  # /1: every layer padded; /2: packed
 META = "snapkv_rag"
+SLOT_TENSORS = ("keys", "values", "positions", "key_scale", "value_scale")  # per slot (scales: 8-bit only)
 TENSOR_STATES = ("conv_states", "recurrent_states")  # a recurrent layer's state object: its tensors
 FLAG_STATES = (
     "is_conv_states_initialized",
@@ -56,20 +60,13 @@ def _tensors(entry: Stored) -> dict[str, torch.Tensor]:
         if packed is None:
             continue
         if packed.padded is not None:  # a layout kept padded: the layer as it is
-            parts = {
-                "keys": packed.padded.keys[0],
-                "values": packed.padded.values[0],
-                "positions": packed.padded.positions[0],
-            }
+            layer = packed.padded
+            parts = {name: getattr(layer, name) for name in SLOT_TENSORS}
+            parts = {name: None if t is None else t[0] for name, t in parts.items()}
         else:
-            parts = {
-                "keys": packed.keys,
-                "values": packed.values,
-                "positions": packed.positions,
-                "counts": packed.counts,
-                "width": torch.tensor([packed.width]),
-            }
-        out.update({f"layer.{i}.{name}": t.contiguous().cpu() for name, t in parts.items()})
+            parts = {name: getattr(packed, name) for name in SLOT_TENSORS}
+            parts.update(counts=packed.counts, width=torch.tensor([packed.width]))
+        out.update({f"layer.{i}.{name}": t.contiguous().cpu() for name, t in parts.items() if t is not None})
     for i, state in enumerate(entry.states):
         for name in TENSOR_STATES if state is not None else ():
             out.update(
@@ -116,7 +113,8 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
         digest.update(name.encode())
-        digest.update(tensors[name].view(torch.uint8).numpy().tobytes() if tensors[name].numel() else b"")
+        tensor = tensors[name].contiguous().view(torch.uint8)  # (float8 has no numpy dtype: its bytes)
+        digest.update(tensor.numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
 
 
@@ -145,6 +143,7 @@ def save(llm, entry: Stored, path, overwrite: bool = False) -> None:
         "format": FORMAT,
         "key": entry.key,
         **identity(llm),
+        "kv_dtype": entry.kv_dtype,
         "method": method_json(entry.method),
         "ids": list(entry.ids),
         "layers": len(entry.layers),
@@ -212,6 +211,13 @@ def _check_meta(llm, path: Path, meta) -> dict:
                 f"path: {path} was made with another {what} ({meta.get(field)!r}; this engine has "
                 f"{mine[field]!r}): index the documents again with this engine"
             )
+    engine_kv = getattr(llm.runner, "kv_dtype", None)
+    if meta.get("kv_dtype") != engine_kv:
+        raise ValueError(
+            f"path: {path} holds a cache saved with kv_dtype={meta.get('kv_dtype')!r} and this engine has "
+            f"kv_dtype={engine_kv!r}: load it with SnapKVLLM(kv_dtype={meta.get('kv_dtype')!r}), or index "
+            "the documents again with this engine"
+        )
     return mine
 
 
@@ -258,10 +264,12 @@ def load(llm, path) -> Stored:
     packed = [None] * int(meta["layers"])
     for i in range(len(packed)):
         part = {name.rsplit(".", 1)[1]: t.to(device) for name, t in tensors.items() if name.startswith(f"layer.{i}.")}
+        slot = [part.get(name) for name in SLOT_TENSORS]
         if "counts" in part:  # packed heads (this format's)
-            packed[i] = PackedKV(part["keys"], part["values"], part["positions"], part["counts"], int(part["width"]))
+            packed[i] = PackedKV(*slot[:3], part["counts"], int(part["width"]), None, *slot[3:])
         elif "keys" in part:  # a padded layer (and every layer of the first format)
-            packed[i] = ragged.pack(LayerKV(part["keys"][None], part["values"][None], part["positions"][None]))
+            keys, values, positions, key_scale, value_scale = (None if t is None else t[None] for t in slot)
+            packed[i] = ragged.pack(LayerKV(keys, values, positions, None, key_scale, value_scale))
     documents = tuple(Document(text=d["text"], title=d["title"], id=d["id"]) for d in meta["documents"])
     states = _states(meta.get("states") or {}, tensors, len(packed), device)
     return Stored(meta["key"], ids, tuple(packed), method, documents, meta["instruction"], states)

@@ -22,7 +22,9 @@ byte-bounded LRU keyed by model, tokenizer, opening and document. A prompt over 
 
 The cache decodes whole (no SnapKV selection): what a document saw when it was computed alone is
 not what it sees in the prompt, so the answers can differ from a full prefill's; ``evals.stitch``
-measures by how much. Full-attention RoPE models only (default, linear or llama3 RoPE, rotary over
+measures by how much. Under an 8-bit ``kv_dtype`` the per-document caches stay in full precision
+(they are rotated and prefilled over, not decoded from); the stitched prompt's cache is quantized
+once it is built, as any kept cache is (``Runner.prefill_stored``). Full-attention RoPE models only (default, linear or llama3 RoPE, rotary over
 the whole head); anything else is refused with the reason.
 """
 

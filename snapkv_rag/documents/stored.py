@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from ..kv import prefix_cache, ragged, tails
+from ..kv import prefix_cache, quantized, ragged, tails
 from ..kv.prompt_cache import LayerKV
 from ..kv.ragged import PackedKV
 from ..methods import METHODS, KeyNormConfig
@@ -76,7 +76,9 @@ _IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def identity(llm) -> dict:
     """What a stored cache is valid for: the model (name, config, a fingerprint of its first and last
-    weights, dtype), the tokenizer (vocabulary, chat template) and the library version."""
+    weights, dtype), the tokenizer (vocabulary, chat template), the library version and, when the
+    engine keeps an 8-bit cache, its ``kv_dtype`` (absent otherwise, so keys made without one stay
+    as they were)."""
     cached = _IDENTITIES.get(llm)
     if cached is None:
         config = llm.model.config.to_dict()
@@ -92,6 +94,9 @@ def identity(llm) -> dict:
             "tokenizer_hash": _digest([vocab, getattr(tok, "chat_template", None)]),
             "library": _library_version(),
         }
+        kv_dtype = getattr(getattr(llm, "runner", None), "kv_dtype", None)
+        if kv_dtype is not None:  # an 8-bit kept cache (kv.quantized): its own entries and files
+            cached["kv_dtype"] = kv_dtype
         _IDENTITIES[llm] = cached
     return cached
 
@@ -142,9 +147,17 @@ class Stored:
         """The layers padded again, as a prefill over them needs them (a copy at each call)."""
         return tuple(None if p is None else ragged.unpack(p) for p in self.packed)
 
-    def prefix(self) -> prefix_cache.Prefix:
-        """What a prefill over this entry starts from: its ids and layers, padded (a copy)."""
-        return prefix_cache.Prefix(self.ids, self.layers)
+    def prefix(self, layers: Sequence | None = None) -> prefix_cache.Prefix:
+        """What a prefill over this entry starts from: its ids and layers (``layers``: those of
+        :attr:`layers`, already unpacked), padded and in floats (a copy)."""
+        layers = self.layers if layers is None else layers
+        return prefix_cache.Prefix(self.ids, tuple(None if kv is None else kv.floats() for kv in layers))
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """How the kept K/V are stored (``None``: floats; see :mod:`snapkv_rag.kv.quantized`)."""
+        layer = next((p if p.padded is None else p.padded for p in self.packed if p is not None), None)
+        return None if layer is None or layer.key_scale is None else quantized.kind_of(layer.keys.dtype)
 
     @property
     def length(self) -> int:
@@ -156,13 +169,12 @@ class Stored:
         return self.method and self.method.for_prompt(self.length)
 
     def kv_bytes(self) -> tuple[int, int]:
-        """(bytes the full cache of the prefix holds, bytes of the kept keys + values)."""
+        """(bytes the full cache of the prefix holds, bytes of the kept keys + values), both as
+        stored (under a ``kv_dtype``: 8-bit, with their scales)."""
         full = kept = 0
         for p in self.packed:
             if p is not None:
-                kv = p.padded if p.padded is not None else p
-                heads = p.counts.shape[0]
-                full += heads * (kv.keys.shape[-1] + kv.values.shape[-1]) * kv.keys.element_size() * self.length
+                full += p.slot_bytes * self.length
                 kept += p.kept_bytes
         return full, kept
 

@@ -39,6 +39,9 @@ class EngineSpec(BaseModel):
     """``"int8"`` or ``"int4"``: the loaded model's linear layers quantized
     (:mod:`snapkv_rag.models.quantize`); ``None``: as loaded (a model quantized by transformers'
     ``quantization_config`` runs as it is)."""
+    kv_dtype: str | None = None
+    """``"int8"`` (or ``"fp8"`` on CUDA): the compressed cache kept in 8 bits after selection
+    (:mod:`snapkv_rag.kv.quantized`); ``None``: the model's dtype."""
     snapkv: Any = None
     """A compression config (``SnapKVConfig(...)``), ``False`` for the full cache, or ``None`` to
     keep the engine's default (lookahead SnapKV drafting 4 tokens, at half of each prompt, never below 512 tokens:

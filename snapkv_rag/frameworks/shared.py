@@ -41,6 +41,7 @@ LOADING_DEFAULTS: dict[str, Any] = {
     "instruction": None,
     "trust_remote_code": False,
     "quantize": None,
+    "kv_dtype": None,
 }
 """The engine parameters that configure loading a model, with their defaults."""
 

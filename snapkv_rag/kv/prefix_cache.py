@@ -23,6 +23,11 @@ from it, as on a hit), where the model continues a state through a multi-token p
 (:func:`snapkv_rag.models.layer_kinds.state_break`; else they are not cached, and the log says why). Not cached (a full prefill, said
 once in the log): H2O, which votes with every prompt query.
 
+Under an 8-bit ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`) entries stay in full precision: a
+prefix is consumed by a prefill (the rest of the prompt attends to it, and the selection votes
+over it as over a whole prompt's K/V), never by a decode step; only the compressed cache made
+from it is quantized, after its selection, as any prompt's is.
+
 Entries are immutable: stored as clones, and a hit concatenates them with the new tokens' K/V
 into new tensors, so no request writes into them. The cache is bounded by bytes, least recently
 used first out; one lock makes it safe for every caller of one engine.

@@ -28,8 +28,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,22 +38,75 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from ..methods import adaptive, selection, shared_budget
 from ..models.layer_kinds import NONE, SLIDING, LayerSpec, UnsupportedModelError
+from . import quantized
 
 
 @dataclass
 class LayerKV:
     """One attention layer of one request's compressed prompt: ``keys``/``values`` ``[1, H_kv, n, D]``
     and the original prompt position of each slot, ``positions`` ``[1, H_kv, n]``; for a hybrid layer
-    also its conv / SSM ``state`` after the prompt (a transformers ``LinearAttentionLayer``)."""
+    also its conv / SSM ``state`` after the prompt (a transformers ``LinearAttentionLayer``, never
+    quantized). Under a ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`) ``keys``/``values`` are 8-bit
+    and ``key_scale``/``value_scale`` ``[1, H_kv, n]`` (the compute dtype) their per-token, per-head
+    scales; ``None`` for a layer held in floats."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
     state: LinearAttentionLayer | None = None
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
 
     @property
     def slots(self) -> int:
         return self.keys.shape[-2]
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """``"int8"`` / ``"fp8"`` for a quantized layer, ``None`` for one in floats."""
+        return None if self.key_scale is None else quantized.kind_of(self.keys.dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype attention reads it in (the scales' for a quantized layer)."""
+        return self.keys.dtype if self.key_scale is None else self.key_scale.dtype
+
+    def floats(self) -> LayerKV:
+        """This layer in the compute dtype (itself when it is not quantized): for consumers that
+        compute with the K/V (a prefill over a stored set)."""
+        if self.key_scale is None:
+            return self
+        keys = quantized.dequantize(self.keys, self.key_scale)
+        return LayerKV(keys, quantized.dequantize(self.values, self.value_scale), self.positions, self.state)
+
+    def as_kv_dtype(self, kv_dtype: str | None, head: LayerKV | None = None) -> LayerKV:
+        """This layer stored as ``kv_dtype`` (``None``: floats; itself when it already is).
+        ``head``: a layer quantized before whose slots are this one's first (a stored set under a
+        question's tail): its 8-bit tensors and scales are kept as they are, not quantized again."""
+        if kv_dtype == self.kv_dtype:
+            return self
+        kv = self.floats()
+        if kv_dtype is None:
+            return kv
+        (keys, key_scale), (values, value_scale) = (
+            quantized.quantize(kv.keys, kv_dtype),
+            quantized.quantize(kv.values, kv_dtype),
+        )
+        if head is not None and head.kv_dtype == kv_dtype:
+            n = head.slots
+            keys[..., :n, :], key_scale[..., :n] = head.keys, head.key_scale
+            values[..., :n, :], value_scale[..., :n] = head.values, head.value_scale
+        return LayerKV(keys, values, self.positions, self.state, key_scale, value_scale)
+
+    def slot_bytes(self) -> int:
+        """The bytes one slot (one position, every head) takes: keys and values, and their scales."""
+        heads = self.keys.shape[1]
+        size = heads * (
+            self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        )
+        if self.key_scale is not None:
+            size += heads * (self.key_scale.element_size() + self.value_scale.element_size())
+        return size
 
 
 @dataclass
@@ -76,6 +129,26 @@ class Compressed:
             for spec, layer in zip(self.specs, self.layers)
         ]
 
+    @property
+    def kv_dtype(self) -> str | None:
+        """How its attention layers are stored (``None``: floats; see :mod:`snapkv_rag.kv.quantized`)."""
+        return next((layer.kv_dtype for layer in self.layers if isinstance(layer, LayerKV)), None)
+
+    def as_kv_dtype(self, kv_dtype: str | None, heads: Sequence | None = None) -> Compressed:
+        """This cache with every attention layer stored as ``kv_dtype`` (itself when it already is;
+        recurrent states stay as they are). ``heads``: per layer a quantized layer whose slots are
+        the first ones here (:meth:`LayerKV.as_kv_dtype`)."""
+        if all(not isinstance(layer, LayerKV) or layer.kv_dtype == kv_dtype for layer in self.layers):
+            return self
+        heads = heads or [None] * len(self.layers)
+        layers = [
+            layer.as_kv_dtype(kv_dtype, head if isinstance(head, LayerKV) else None)
+            if isinstance(layer, LayerKV)
+            else layer
+            for layer, head in zip(self.layers, heads)
+        ]
+        return replace(self, layers=layers)
+
     def kept_positions(self) -> dict[int, torch.Tensor]:
         """Per attention layer, the prompt positions ``[1, H_kv, n]`` it holds."""
         return {i: layer.positions for i, layer in enumerate(self.layers) if isinstance(layer, LayerKV)}
@@ -84,13 +157,13 @@ class Compressed:
         """(bytes the full cache holds for the prompt, bytes this one holds), over attention layers, as
         a request's row of the slot cache holds them (:mod:`snapkv_rag.kv.slot_cache`): every layer as
         wide as the row's widest layer (a layer's heads padded to its widest head), so these are the
-        bytes the cache occupies while it decodes, not fewer for a layer or head that keeps less."""
+        bytes the cache occupies while it decodes, not fewer for a layer or head that keeps less.
+        Both at this cache's storage: under a ``kv_dtype`` the 8-bit K/V and their scales (the full
+        cache counted as the same engine would hold it, quantized too)."""
         per_token, widest, whole = 0, 0, 0
         for spec, layer in zip(self.specs, self.layers):
             if isinstance(layer, LayerKV):
-                per_token += (
-                    layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
-                )
+                per_token += layer.slot_bytes()
                 widest = max(widest, layer.slots)
                 whole = max(
                     whole, self.prompt_tokens if spec.window is None else min(self.prompt_tokens, spec.window - 1)

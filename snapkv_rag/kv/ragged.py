@@ -10,7 +10,8 @@ holds only what was kept:
     layer_kv = unpack(packed)        # the padded layer again, exactly (empty slots first per head)
 
 ``N`` is the kept slots of all heads together, head after head; ``counts[h]`` of them are head
-``h``'s. A layer whose empty slots are not all before its kept ones in every head is kept padded
+``h``'s. A layer quantized under a ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`) keeps its 8-bit
+keys and values and packs their scales ``key_scale``/``value_scale`` ``[N]`` the same way. A layer whose empty slots are not all before its kept ones in every head is kept padded
 as it is (``packed.padded``), so that unpacking never reorders anything.
 """
 
@@ -33,20 +34,36 @@ class PackedKV:
     counts: torch.Tensor
     width: int = 0  # the padded layer's slots per head (its widest head's, or more)
     padded: LayerKV | None = None  # a layout :func:`pack` does not flatten, kept as it was
+    key_scale: torch.Tensor | None = None  # [N]: under a kv_dtype, the keys' scales (None: floats)
+    value_scale: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        if self.padded is not None:
-            return sum(
-                t.numel() * t.element_size() for t in (self.padded.keys, self.padded.values, self.padded.positions)
-            )
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.counts))
+        source = self.padded if self.padded is not None else self
+        extra = () if self.padded is not None else (self.counts,)
+        return _bytes(source.positions, *extra) + self.kept_bytes
 
     @property
     def kept_bytes(self) -> int:
-        """Keys and values held (the padding included only for a layer kept padded)."""
+        """Keys and values held, with their scales (the padding included only for a layer kept padded)."""
         source = self.padded if self.padded is not None else self
-        return sum(t.numel() * t.element_size() for t in (source.keys, source.values))
+        return _bytes(source.keys, source.values, source.key_scale, source.value_scale)
+
+    @property
+    def slot_bytes(self) -> int:
+        """The bytes of one position of every head: keys, values and their scales."""
+        source = self.padded if self.padded is not None else self
+        heads = self.counts.shape[0]
+        size = (
+            source.keys.shape[-1] * source.keys.element_size() + source.values.shape[-1] * source.values.element_size()
+        )
+        if source.key_scale is not None:
+            size += source.key_scale.element_size() + source.value_scale.element_size()
+        return heads * size
+
+
+def _bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _trailing(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,12 +80,15 @@ def pack(kv: LayerKV) -> PackedKV:
     if not torch.equal(positions >= 0, trailing) or kv.keys.shape[0] != 1:
         empty = kv.keys.new_zeros(0)
         return PackedKV(empty, empty, empty.long(), counts, padded=kv)
+    scales = [None if t is None else t[0][trailing].clone() for t in (kv.key_scale, kv.value_scale)]
     return PackedKV(
         kv.keys[0][trailing].clone(),
         kv.values[0][trailing].clone(),
         positions[trailing].clone(),
         counts,
         positions.shape[-1],
+        None,
+        *scales,
     )
 
 
@@ -85,4 +105,12 @@ def unpack(packed: PackedKV) -> LayerKV:
     values = packed.values.new_zeros((heads, widest, packed.values.shape[-1]))
     positions = torch.full((heads, widest), -1, dtype=packed.positions.dtype, device=packed.positions.device)
     keys[trailing], values[trailing], positions[trailing] = packed.keys, packed.values, packed.positions
-    return LayerKV(keys[None], values[None], positions[None])
+    scales = []
+    for packed_scale in (packed.key_scale, packed.value_scale):
+        scale = None
+        if packed_scale is not None:
+            scale = packed_scale.new_zeros((heads, widest))
+            scale[trailing] = packed_scale
+            scale = scale[None]
+        scales.append(scale)
+    return LayerKV(keys[None], values[None], positions[None], None, *scales)

@@ -17,6 +17,11 @@ window), without a host sync; :meth:`SlotCache.end_step` advances the rows in us
 :meth:`SlotCache.stepped` counts the step on the host. A row of the bucket holding no request writes at its slot 0 and attends
 to it: its numbers stay finite and its token is ignored.
 
+Under a ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`) the keys and values buffers are 8-bit, each
+with a scale buffer ``[rows, H_kv, capacity]`` in the compute dtype: a joining request's layers are
+written quantized, a step's token is quantized as it is written, and the model's attention reads
+the step's slots dequantized (:class:`SlotLayer`).
+
 Recurrent layers (Mamba / linear attention / conv state) keep their states per row, in
 :class:`~snapkv_rag.kv.row_states.RowStates` buffers: a joining request's states are written into its
 row, a leaving row is freed by metadata, and a step over rows ``[0, b)`` hands the model views of
@@ -34,6 +39,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from ..models.layer_kinds import SLIDING, LayerSpec
+from . import quantized
 from .prompt_cache import Compressed, LayerKV, LayerTrackingCache
 from .row_states import RowStates, StateLayer
 
@@ -71,7 +77,10 @@ def capacity_bucket(needed: int) -> int:
 class SlotLayer(DynamicLayer):
     """One attention layer's slots. ``update`` (called by the model's attention) writes the step's
     token at each row's write index and returns the step's view of the buffer: the bucket's rows,
-    their first ``length`` slots (the width of the step's masks)."""
+    their first ``length`` slots (the width of the step's masks). Under the cache's ``kv_dtype``
+    the buffers are 8-bit with a scale buffer each (``key_scale``/``value_scale``
+    ``[rows, H_kv, capacity]``, the compute dtype): the step's token is quantized as it is written,
+    and what ``update`` returns is those slots dequantized (a copy in the compute dtype)."""
 
     def __init__(self, spec: LayerSpec, cache: SlotCache, index: int):
         super().__init__()
@@ -79,12 +88,32 @@ class SlotLayer(DynamicLayer):
         self.is_sliding = spec.kind == SLIDING
         self.sliding_window = spec.window
         self.keys = self.values = None
+        self.key_scale = self.value_scale = None  # under a kv_dtype: the per-slot, per-head scales
 
     def update(self, key_states, value_states, *args, **kwargs):
         b, length = key_states.shape[0], self.cache.masks[self.index].shape[-1]
-        self.keys.index_put_(self.cache.step_index, key_states)  # into the buffer itself, not a view of it
-        self.values.index_put_(self.cache.step_index, value_states)
-        return self.keys[:b, :, :length], self.values[:b, :, :length]
+        at, kv_dtype = self.cache.step_index, self.cache.kv_dtype
+        if kv_dtype is None:
+            self.keys.index_put_(at, key_states)  # into the buffer itself, not a view of it
+            self.values.index_put_(at, value_states)
+            return self.keys[:b, :, :length], self.values[:b, :, :length]
+        for buffer, scales, states in (
+            (self.keys, self.key_scale, key_states),
+            (self.values, self.value_scale, value_states),
+        ):
+            q, scale = quantized.quantize(states, kv_dtype)
+            if q.dtype != torch.int8:  # float8: written as its bytes (index_put_ need not take float8)
+                buffer, q = buffer.view(torch.uint8), q.view(torch.uint8)
+            buffer.index_put_(at, q)
+            scales.index_put_(at, scale)
+        return (
+            quantized.dequantize(self.keys[:b, :, :length], self.key_scale[:b, :, :length], key_states.dtype),
+            quantized.dequantize(self.values[:b, :, :length], self.value_scale[:b, :, :length], value_states.dtype),
+        )
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer this layer holds (keys, values and, under a ``kv_dtype``, their scales)."""
+        return [t for t in (self.keys, self.values, self.key_scale, self.value_scale) if t is not None]
 
     def get_seq_length(self) -> int:
         """Slots held by the longest row in use (host bookkeeping: no device read)."""
@@ -110,10 +139,21 @@ class SlotHybridLayer(LinearAttentionLayer, SlotLayer):
 class SlotCache(LayerTrackingCache):
     """The running batch's cache: at most ``max_rows`` requests.
     When the last row leaves, the buffers are given back, unless ``keep`` (compiled steps: their
-    graphs belong to one allocation, so it stays for the next requests)."""
+    graphs belong to one allocation, so it stays for the next requests). ``kv_dtype`` (``None``,
+    ``"int8"``, ``"fp8"``): how the slots store keys and values (:mod:`snapkv_rag.kv.quantized`);
+    a joining request's layers are stored that way whatever they came as."""
 
-    def __init__(self, model_config, specs: list[LayerSpec], max_rows: int, device: torch.device, keep: bool = False):
+    def __init__(
+        self,
+        model_config,
+        specs: list[LayerSpec],
+        max_rows: int,
+        device: torch.device,
+        keep: bool = False,
+        kv_dtype: str | None = None,
+    ):
         super().__init__(config=model_config)
+        self.kv_dtype = quantized.check_kv_dtype(kv_dtype, device)
         layers = list(self.layers) + [None] * (len(specs) - len(self.layers))
         self.recurrent = any(spec.state for spec in specs)  # recurrent or hybrid layers: per-row states
         self.max_rows = max_rows
@@ -165,9 +205,13 @@ class SlotCache(LayerTrackingCache):
 
         def write(slot_layer) -> None:  # one layer's keys and values into the row (positions below)
             i = kvs[slot_layer.index]
-            kv = compressed.layers[i]
-            slot_layer.keys[row, :, start - kv.slots : start] = kv.keys[0]
-            slot_layer.values[row, :, start - kv.slots : start] = kv.values[0]
+            kv = compressed.layers[i].as_kv_dtype(self.kv_dtype)
+            at = slice(start - kv.slots, start)
+            slot_layer.keys[row, :, at] = kv.keys[0]
+            slot_layer.values[row, :, at] = kv.values[0]
+            if kv.key_scale is not None:
+                slot_layer.key_scale[row, :, at] = kv.key_scale[0]
+                slot_layer.value_scale[row, :, at] = kv.value_scale[0]
             if consume:
                 compressed.layers[i] = None
 
@@ -224,11 +268,7 @@ class SlotCache(LayerTrackingCache):
             self._undo_growth(written)
             raise
         if self.device.type == "cuda":  # written in place by every step: fixed addresses for CUDA graphs
-            for buffer in [
-                self.positions,
-                self.counters,
-                *(t for layer in self.attention for t in (layer.keys, layer.values)),
-            ]:
+            for buffer in [self.positions, self.counters, *(t for layer in self.attention for t in layer.buffers())]:
                 torch._dynamo.mark_static_address(buffer, guard=False)
         self.rows, self.capacity = new_rows, new_capacity
         return True
@@ -237,14 +277,11 @@ class SlotCache(LayerTrackingCache):
         """Layer by layer: the new buffers, the rows in use copied in, the old ones let go."""
         indices = [i for i, layer in enumerate(like.layers) if isinstance(layer, LayerKV)]
         for layer, i in zip(self.attention, indices):
-            keys_like, values_like = like.layers[i].keys, like.layers[i].values  # read, not held: `write` may drop them
-            keys = keys_like.new_zeros((new_rows, keys_like.shape[1], new_capacity, keys_like.shape[-1]))
-            values = values_like.new_zeros((new_rows, values_like.shape[1], new_capacity, values_like.shape[-1]))
-            del keys_like, values_like
-            if layer.keys is not None:
-                keys[: self.rows, :, : self.capacity] = layer.keys
-                values[: self.rows, :, : self.capacity] = layer.values
-            layer.keys, layer.values = keys, values
+            new = self._new_buffers(like.layers[i], new_rows, new_capacity)  # `write` may drop like's layer
+            for name, buffer in new.items():
+                if getattr(layer, name) is not None:
+                    buffer[: self.rows, :, : self.capacity] = getattr(layer, name)
+                setattr(layer, name, buffer)
             written.add(layer.index)
             if write is not None:
                 write(layer)
@@ -267,6 +304,24 @@ class SlotCache(LayerTrackingCache):
         self.generation += 1
         self.heads, self.row_index, self._no_mask = head_index, row_index, no_mask
 
+    def _new_buffers(self, kv: LayerKV, rows: int, capacity: int) -> dict[str, torch.Tensor]:
+        """Zeroed buffers for ``rows`` x ``capacity`` slots of a layer like ``kv`` (its device, heads,
+        head sizes and compute dtype), stored as this cache's ``kv_dtype``, each allocated before
+        the next (so that a failed allocation leaves no more than it has taken)."""
+        heads, dtype = kv.keys.shape[1], kv.compute_dtype
+        storage = dtype if self.kv_dtype is None else quantized.STORAGE[self.kv_dtype]
+        shapes = {"keys": kv.keys.shape[-1], "values": kv.values.shape[-1]}
+        out = {name: kv.keys.new_zeros((rows, heads, capacity, size), dtype=storage) for name, size in shapes.items()}
+        if self.kv_dtype is not None:
+            for name in ("key_scale", "value_scale"):
+                out[name] = kv.keys.new_zeros((rows, heads, capacity), dtype=dtype)
+        return out
+
+    def buffer_bytes(self) -> int:
+        """The bytes the attention layers' buffers take (keys, values, and their scales under a
+        ``kv_dtype``): what the allocation holds, whatever the rows in use hold."""
+        return sum(t.numel() * t.element_size() for layer in self.attention for t in layer.buffers())
+
     def _undo_growth(self, grown: set[int]) -> None:
         """A growth that failed part way (out of memory): with no row in use, every buffer is given
         back; else each layer already grown is seen again at its old size (a view of the new buffer,
@@ -277,16 +332,14 @@ class SlotCache(LayerTrackingCache):
             return
         for layer in self.attention:
             if layer.index in grown:
-                keys, values = (
-                    layer.keys[: self.rows, :, : self.capacity],
-                    layer.values[: self.rows, :, : self.capacity],
-                )
-                layer.keys, layer.values = keys, values
+                for name in ("keys", "values", "key_scale", "value_scale"):
+                    if getattr(layer, name) is not None:
+                        setattr(layer, name, getattr(layer, name)[: self.rows, :, : self.capacity])
 
     def _release(self) -> None:
         self.rows = self.capacity = 0
         for layer in self.attention:
-            layer.keys, layer.values = None, None
+            layer.keys = layer.values = layer.key_scale = layer.value_scale = None
         self.states.release()
 
     # ------------------------------------------------------------ one step (device ops only)

@@ -16,6 +16,10 @@ cache, a prompt whose prefix was prefilled before runs only its rest on top of t
 :class:`~snapkv_rag.kv.slot_cache.SlotCache` and picks the next tokens on the device: greedy inside the
 step; rows that sample or follow a grammar are picked by the caller's ``pick`` after it.
 
+With ``kv_dtype`` (``"int8"``, ``"fp8"``: :mod:`snapkv_rag.kv.quantized`) every kept cache a
+prefill returns is quantized after its selection (:meth:`Runner.stored_as`), and the slot caches
+it makes hold 8-bit buffers with their scales.
+
 A step reads each row's slots in use, not the allocation (:meth:`SlotCache.view_length`), and picks
 its tokens inside itself: greedy, or sampled from each row's own settings
 (:class:`~snapkv_rag.runtime.sampling.SamplingSlots`); only rows under a grammar (or asking for
@@ -44,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..kv import prefix_cache, tails
+from ..kv import prefix_cache, quantized, tails
 from ..kv.prefix_cache import PrefixCache
 from ..kv.prompt_cache import Compressed, PromptCache, compressing
 from ..kv.slot_cache import SlotCache
@@ -113,6 +117,7 @@ class Runner:
         prefill_chunk: int | None = 4096,
         compile: bool | str = False,
         prefix_cache: PrefixCache | None = None,
+        kv_dtype: str | None = None,
     ):
         self.model, self.eos_ids, self.pad_id, self.base = model, eos_ids, pad_id, base
         self.prefix_cache = prefix_cache
@@ -125,6 +130,8 @@ class Runner:
             model.config, model
         )  # (refuses an unsupported model here, before any work)
         self.device = next(model.parameters()).device
+        # how every kept cache stores its K/V after the selection (kv.quantized): None, "int8", "fp8"
+        self.kv_dtype = quantized.check_kv_dtype(kv_dtype, self.device)
         self._steps: dict[tuple, Callable[[], torch.Tensor]] = {}
         self._host: torch.Tensor | None = None
         self._pool = None
@@ -170,16 +177,31 @@ class Runner:
         - a ``boundary`` (one RAG prompt: its first ``boundary`` tokens are the document prefix) and a
           prefix cache that may serve it: :meth:`_prefill_cached`;
         - else one plain pass: :meth:`_prefill_plain`.
-        The selection is the same whichever path ran."""
+        The selection is the same whichever path ran, on the prompt's full-precision attention; under
+        a ``kv_dtype`` the kept caches are then quantized (:meth:`stored_as`), except in a pass
+        that fills ``whole`` (the lookahead draft's, which quantizes what it returns)."""
         self.attach()
         if any(m is not None and m.drafts for m in methods.values()):
-            return lookahead.prefill(self, prompts, methods)
+            return self.stored_as(lookahead.prefill(self, prompts, methods))
         prefix, capture = (None, None) if whole is not None else self._prefix_plan(prompts, methods, boundary)
         if any(m is not None and m.rereads for m in methods.values()):
-            return self._prefill_rereading(prompts, methods)
-        if prefix is not None or capture is not None:
-            return self._prefill_cached(prompts[0], methods, prefix, capture)
-        return self._prefill_plain(prompts, methods, capture=whole)
+            out = self._prefill_rereading(prompts, methods)
+        elif prefix is not None or capture is not None:
+            out = self._prefill_cached(prompts[0], methods, prefix, capture)
+        else:
+            out = self._prefill_plain(prompts, methods, capture=whole)
+        return out if whole is not None else self.stored_as(out)
+
+    def stored_as(self, pre: Prefilled, heads: list | None = None) -> Prefilled:
+        """``pre`` with every kept cache stored as this runner's ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`;
+        ``None``: as it is). ``heads``: per layer the quantized slots a cache starts with (a stored
+        set's), kept as they are."""
+        if self.kv_dtype is None and all(c.kv_dtype is None for rows in pre.compressed.values() for c in rows):
+            return pre
+        compressed = {
+            name: [c.as_kv_dtype(self.kv_dtype, heads) for c in rows] for name, rows in pre.compressed.items()
+        }
+        return dataclasses.replace(pre, compressed=compressed)
 
     def _prefill_plain(
         self,
@@ -286,9 +308,10 @@ class Runner:
         (:mod:`snapkv_rag.documents.stitch`) prefills itself."""
         self.attach()
         if hasattr(stored, "prefill"):
-            return stored.prefill(self, ids)
+            return self.stored_as(stored.prefill(self, ids))
         start = time.perf_counter()
-        prefix = stored.prefix()  # the stored layers padded again, for this prefill
+        heads = stored.layers  # the stored layers padded again (8-bit under a kv_dtype)
+        prefix = stored.prefix(heads)  # ... and in floats, for this prefill
         cache = PromptCache(self.model.config, self.specs, prefix)
         with self.lock, torch.inference_mode(), self.sliced_mlps():
             tails.with_states(cache, stored.states)
@@ -303,12 +326,13 @@ class Runner:
         compressed = Compressed(stored.config, self.specs, layers, len(ids))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return Prefilled(
+        out = Prefilled(
             compressed={"": [compressed]},
             logits=logits,
             prefill_s=time.perf_counter() - start,
             cached_tokens=stored.length,
         )
+        return self.stored_as(out, list(heads))
 
     def sliced_mlps(self):
         """While open, the MLPs run over a long prompt in slices of ``prefill_chunk`` tokens."""
@@ -351,7 +375,9 @@ class Runner:
 
     # ------------------------------------------------------------ decode
     def new_slots(self, max_rows: int) -> SlotCache:
-        slots = SlotCache(self.model.config, self.specs, max_rows, self.device, keep=bool(self.compile))
+        slots = SlotCache(
+            self.model.config, self.specs, max_rows, self.device, keep=bool(self.compile), kv_dtype=self.kv_dtype
+        )
         slots.decode_attention = self.decode_attention
         return slots
 
