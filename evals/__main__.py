@@ -83,6 +83,13 @@ def parser(prog: str = "python -m evals") -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)"
     )
+    p.add_argument("--quantize", default=None, choices=("int8", "int4"), help="quantized weights (default: none)")
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=("int8", "fp8"),
+        help="the kept cache in 8 bits (default: the model's dtype)",
+    )
     p.add_argument(
         "--datasets",
         default=None,
@@ -372,6 +379,10 @@ def main(argv: list[str] | None = None, engine=None, make_engine=None, prog: str
             llm.close()
 
 
+def _engine_options(args) -> dict:
+    return {"device": args.device, "dtype": args.dtype, "quantize": args.quantize, "kv_dtype": args.kv_dtype}
+
+
 def _engine(args, engine, make_engine, instruction):
     """The local engine, or the Ray actors (which then answer prompt_tokens and context_window)."""
     from functools import partial
@@ -381,12 +392,10 @@ def _engine(args, engine, make_engine, instruction):
     if args.ray is not None:
         from .distributed import connect
 
-        factory = make_engine or partial(
-            SnapKVLLM, args.model, device=args.device, dtype=args.dtype, instruction=instruction
-        )
+        factory = make_engine or partial(SnapKVLLM, args.model, instruction=instruction, **_engine_options(args))
         return connect(args.ray, args.ray_workers, factory, instruction, args.device)
     try:
-        llm = engine or SnapKVLLM(args.model, device=args.device, dtype=args.dtype, instruction=instruction)
+        llm = engine or SnapKVLLM(args.model, instruction=instruction, **_engine_options(args))
     except ValueError as error:  # an unknown model, device or dtype: one line, not a traceback
         raise SystemExit(f"--model/--device/--dtype: {error}") from None
     llm.instruction = instruction
@@ -403,6 +412,8 @@ def _run(args, argv, llm, examples, specs, instruction, own) -> int:
         "stop": args.stop,
         "seed": args.seed,
         "dtype": args.dtype,
+        "quantize": args.quantize,
+        "kv_dtype": args.kv_dtype,
         "device": str(llm.device),
         "methods": [s.name for s in specs],
     }

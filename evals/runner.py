@@ -24,7 +24,17 @@ from .metrics import answer_scores, citation_scores, fidelity_scores
 
 ROWS = "rows.jsonl"
 SETTINGS = "run.json"
-_SETTINGS_KEYS = ("model", "instruction", "max_new_tokens", "stop", "seed", "dtype", "citations")
+_SETTINGS_KEYS = (
+    "model",
+    "instruction",
+    "max_new_tokens",
+    "stop",
+    "seed",
+    "dtype",
+    "citations",
+    "quantize",
+    "kv_dtype",
+)
 # a record without gold documents (--data without 'gold', needle, lines): citations are not scored
 NO_CITATION_SCORES = {"cit_precision": None, "cit_recall": None, "cit_f1": None}
 

@@ -78,9 +78,10 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 HEAD_BY_DEFAULT = {"int8": True, "int4": False}
 """Whether a scheme quantizes the output head too (as a copy where it shares its weight with the
 embedding, which stays as it is). Measured by ``benchmarks/quantized.py`` on the embedded model,
-whose head is a fifth of its weights: int8 with the head decoded 1.59x float32's tokens/s at batch
-1 and 1.39x at batch 8, against 1.34x and 1.02x without it; int4 with the head gained at batch 1 and
-lost at batch 8, so it keeps the float head."""
+whose head is a fifth of its weights: int8 with the head decoded 1.39x float32's tokens/s at batch
+1 and 1.34x at batch 8, against 1.21x and 1.24x without it (``results/quantized.json``); int4 with
+the head gained at batch 1 and lost at batch 8 (``results/quantized_int4.txt``), so it keeps the
+float head."""
 
 
 def quantize_model(model: nn.Module, scheme: str, head: bool | None = None) -> nn.Module:
