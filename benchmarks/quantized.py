@@ -1,9 +1,9 @@
 """CPU, embedded model: decode speed with quantized weights against float32, in one run.
 
 Engines over the same weights (``quantize_model`` as ``SnapKVLLM(quantize=...)`` applies it:
-float32, int8, int4; and each scheme with the other choice for the output head) answer the same RAG prompts, batch 1 (one
-request) and batch 8 (eight concurrent requests through the scheduler), in rotating order over
-``--rounds`` rounds; each reports decode ms/token (its results' ``timings``). Printed per batch
+float32, int8, int4; and each scheme with the other choice for the output head; and the unquantized
+model in bfloat16, for scale) answer the same RAG prompts, batch 1 (one request) and batch 8 (eight
+concurrent requests through the scheduler), in rotating order over ``--rounds`` rounds; each reports decode ms/token (its results' ``timings``). Printed per batch
 size: tokens/s of each and its ratio to float32, the weight bytes a step reads, and how many of
 the answers equal float32's (greedy, ``ignore_eos`` off).
 
@@ -27,7 +27,14 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from rag_prompts import build_prompt  # noqa: E402
 
-VARIANTS = {"float32": None, "int8": "int8", "int8-float-head": "int8", "int4": "int4", "int4+head": "int4"}
+VARIANTS = {  # name: (dtype the model loads in, quantize scheme)
+    "float32": ("float32", None),
+    "bfloat16": ("bfloat16", None),
+    "int8": ("float32", "int8"),
+    "int8-float-head": ("float32", "int8"),
+    "int4": ("float32", "int4"),
+    "int4+head": ("float32", "int4"),
+}
 
 
 def engines(names: list[str]) -> dict:
@@ -38,10 +45,11 @@ def engines(names: list[str]) -> dict:
 
     out = {}
     for name in names:
-        model = loading.load(None, device="cpu", dtype="float32")
-        if VARIANTS[name]:
+        dtype, scheme = VARIANTS[name]
+        model = loading.load(None, device="cpu", dtype=dtype)
+        if scheme:
             head = True if name.endswith("+head") else False if name.endswith("-float-head") else None
-            quantizing.quantize_model(model.model, VARIANTS[name], head=head)
+            quantizing.quantize_model(model.model, scheme, head=head)
         out[name] = SnapKVLLM(model=model.model, tokenizer=model.tokenizer, prefix_cache_bytes=0)
     return out
 

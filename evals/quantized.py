@@ -19,9 +19,11 @@ from .runner import ROWS, SETTINGS
 
 
 def label(folder: Path) -> str:
-    """What a run changed, from its settings: ``int8 weights``, ``int8 KV``, both, or ``unquantized``."""
+    """What a run changed, from its settings: ``int8 weights``, ``int8 KV``, both, a dtype the model
+    loaded in (``bfloat16``), or ``unquantized``."""
     settings = json.loads((folder / SETTINGS).read_text()) if (folder / SETTINGS).exists() else {}
-    parts = [f"{settings['quantize']} weights"] if settings.get("quantize") else []
+    parts = [str(settings["dtype"])] if settings.get("dtype") else []
+    parts += [f"{settings['quantize']} weights"] if settings.get("quantize") else []
     parts += [f"{settings['kv_dtype']} KV"] if settings.get("kv_dtype") else []
     return " + ".join(parts) or "unquantized"
 

@@ -67,6 +67,28 @@ def test_a_quantized_layer_is_close_to_its_float_layer_and_rows_do_not_affect_ea
     assert torch.equal(alone, got)  # a token's result is the same whatever it is batched with
 
 
+def test_int8_quantizes_the_weights_only_so_an_activation_outlier_costs_the_other_channels_nothing():
+    """Small models carry activation outliers (one channel hundreds of times the rest): quantizing
+    each token's activations to int8 would round the other channels to zero. ``"int8"`` is
+    weight-only, so the result stays that of the int8 weights in floating point."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 64, bias=False)
+    layer = quantizing.Int8Linear(linear)
+    weights = layer.weight.float() * layer.scale.float()[:, None]  # the int8 weights, dequantized
+    x = torch.randn(4, 256) * 0.01
+    x[:, 17] = 5.0  # the outlier: 500 times the rest, which per-token int8 codes would round to 0
+    with torch.inference_mode():
+        got = layer(x)
+    small = x.clone()
+    small[:, 17] = 0
+    expected = x @ weights.t()
+    assert ((got - expected).norm() / expected.norm()).item() < 0.01
+    # what the small channels add is kept, not rounded away (it is what a tied answer turns on)
+    contribution = small @ weights.t()
+    recovered = got - x[:, 17:18] @ weights[:, 17:18].t()
+    assert ((recovered - contribution).norm() / contribution.norm()).item() < 0.3
+
+
 @pytest.mark.parametrize("how", ["int8", "int4", "torchao-int8", "torchao-int4"])
 def test_the_selection_is_exact_against_the_quantized_models_own_attention(folder, tokenizer, how):
     if how.startswith("torchao"):

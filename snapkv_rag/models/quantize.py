@@ -1,16 +1,16 @@
 """Weights in 8 or 4 bits: ``quantize="int8"`` or ``"int4"`` replaces a loaded model's linear layers
 (the attention projections and MLPs of every block, and with int8 the output head: measured faster,
-:data:`HEAD_BY_DEFAULT`) by quantized ones; the token embedding stays as it is. Decoding reads every weight once a step, so fewer weight bytes are
-fewer bytes a step reads.
+:data:`HEAD_BY_DEFAULT`) by quantized ones; the token embedding stays as it is. Decoding reads every
+weight once a step, so fewer weight bytes are fewer bytes a step reads.
 
 The kernels are the fastest this project measured per device (``benchmarks/quantized.py``):
 
-* CPU ``int8``: int8 weights (one scale per output channel) times int8 activations, each token
-  quantized with its own scale as it comes in ("dynamic" quantization), through torch's integer
-  matmul. Weight-only int8 (torchao's ``Int8WeightOnlyConfig``) ran slower than float32 here: a CPU
-  converting int8 weights back to floats each step is not faster than reading floats, while int8 x
-  int8 products are what its vector units do fastest. Per-token scales keep a row's result
-  independent of the other rows it decodes with.
+* CPU ``int8``: weight-only, one scale per output channel, through torch's int8 weight-only CPU
+  matmul, which reads the int8 weights and takes bfloat16 activations (a float32 model's activations
+  are rounded to bfloat16 for the product only; every other operation keeps its dtype). Rows are
+  computed independently, so batches equal single calls. An earlier kernel quantized the
+  activations too (int8 x int8 integer matmul): about as fast, but it changed far more answers
+  (``evals/results/quantized``), the activations of a small model carrying the outliers.
 * CPU ``int4``: weight-only, 4-bit groups of 32-128 input channels with a scale and a zero each,
   through torch's int4 CPU matmul (float32 or bfloat16 activations): the smallest weights, slower
   than float32 on a CPU (reported by the benchmark, not hidden).
@@ -141,30 +141,32 @@ def _quantize_cuda(model: nn.Module, scheme: str, targets: set[int]) -> None:
 
 
 class Int8Linear(nn.Module):
-    """A linear layer with int8 weights (a scale per output channel) times int8 activations, each
-    token (row) quantized with its own scale when it comes in; the int32 products are exact, so a
-    row's output does not depend on the other rows of its batch (batches equal single calls)."""
+    """A weight-only int8 linear layer: int8 weights with a scale per output channel, multiplied by
+    bfloat16 (or float16) activations in torch's int8 weight-only kernel; the result comes back in
+    the input's dtype. A row's output does not depend on the other rows of its batch."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         weight = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = linear.weight.dtype if linear.weight.dtype in _HALF else torch.bfloat16
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
         self.register_buffer("weight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale)
+        self.register_buffer("scale", scale.to(self.compute_dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        row_scale = (flat.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-12)
-        codes = torch.round(flat / row_scale).to(torch.int8)
-        out = torch._int_mm(codes, self.weight.t()) * (row_scale * self.scale)
+        flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 class Int4Linear(nn.Module):
