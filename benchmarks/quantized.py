@@ -3,9 +3,10 @@
 Engines over the same weights (``quantize_model`` as ``SnapKVLLM(quantize=...)`` applies it:
 float32, int8, int4; and each scheme with the other choice for the output head; and the unquantized
 model in bfloat16, for scale) answer the same RAG prompts, batch 1 (one request) and batch 8 (eight
-concurrent requests through the scheduler), in rotating order over ``--rounds`` rounds; each reports decode ms/token (its results' ``timings``). Printed per batch
-size: tokens/s of each and its ratio to float32, the weight bytes a step reads, and how many of
-the answers equal float32's (greedy, ``ignore_eos`` off).
+concurrent requests through the scheduler), in rotating order over ``--rounds`` rounds; each
+reports decode ms/token (its results' ``timings``). Printed per batch size: tokens/s of each and
+its ratio to float32, the weight bytes a step reads, and how many of the answers equal float32's
+(greedy, ``ignore_eos`` off).
 
     python benchmarks/quantized.py --out benchmarks/results/quantized.json
 """

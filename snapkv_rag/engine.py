@@ -196,9 +196,8 @@ class SnapKVLLM:
             self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
             if quantize:
                 quantizing.quantize_model(self.model, quantize)
-        self.weight_quantization = quantizing.quantized_by(
-            self.model
-        )  # None, "int8"/"int4" (ours) or the caller's method
+        # None, "int8"/"int4" (ours) or the method of a model the caller quantized
+        self.weight_quantization = quantizing.quantized_by(self.model)
         self.attn_implementation = attention.resolve_implementation(self.model, attn_implementation)
         eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)

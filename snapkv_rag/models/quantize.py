@@ -30,6 +30,7 @@ from torch import nn
 
 SCHEMES = ("int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # the largest that divides a layer's input channels
+_HALF = (torch.bfloat16, torch.float16)  # activation dtypes the int8 kernel takes as they are
 log = logging.getLogger(__name__)
 
 
@@ -78,10 +79,10 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 HEAD_BY_DEFAULT = {"int8": True, "int4": False}
 """Whether a scheme quantizes the output head too (as a copy where it shares its weight with the
 embedding, which stays as it is). Measured by ``benchmarks/quantized.py`` on the embedded model,
-whose head is a fifth of its weights: int8 with the head decoded 1.39x float32's tokens/s at batch
-1 and 1.34x at batch 8, against 1.21x and 1.24x without it (``results/quantized.json``); int4 with
-the head gained at batch 1 and lost at batch 8 (``results/quantized_int4.txt``), so it keeps the
-float head."""
+whose head is a fifth of its weights: int8 with the head decoded 1.74x float32's tokens/s at batch
+1 and 1.40x at batch 8, against 1.43x and 1.54x without it (``results/quantized.json``): the head
+is kept quantized for the single request a local user makes; int4 with the head gained at batch 1
+and lost at batch 8 (``results/quantized_int4.txt``), so it keeps the float head."""
 
 
 def quantize_model(model: nn.Module, scheme: str, head: bool | None = None) -> nn.Module:
@@ -164,9 +165,6 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
-
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 class Int4Linear(nn.Module):
