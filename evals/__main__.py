@@ -396,8 +396,8 @@ def _engine(args, engine, make_engine, instruction):
         return connect(args.ray, args.ray_workers, factory, instruction, args.device)
     try:
         llm = engine or SnapKVLLM(args.model, instruction=instruction, **_engine_options(args))
-    except ValueError as error:  # an unknown model, device, dtype or quantization: one line, not a traceback
-        raise SystemExit(f"--model/--device/--dtype/--quantize/--kv-dtype: {error}") from None
+    except ValueError as error:  # an unknown model, device or dtype: one line, not a traceback
+        raise SystemExit(f"--model/--device/--dtype: {error}") from None
     llm.instruction = instruction
     return llm
 
