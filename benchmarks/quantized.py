@@ -5,8 +5,10 @@ float32, int8, int4; and each scheme with the other choice for the output head; 
 model in bfloat16, for scale) answer the same RAG prompts, batch 1 (one request) and batch 8 (eight
 concurrent requests through the scheduler), in rotating order over ``--rounds`` rounds; each
 reports decode ms/token (its results' ``timings``). Printed per batch size: tokens/s of each and
-its ratio to float32, the weight bytes a step reads, and how many of the answers equal float32's
-(greedy, ``ignore_eos`` off).
+its ratio to float32, the prefill time and its ratio to float32's, the weight bytes a step reads,
+and how many of the answers equal float32's (greedy, ``ignore_eos`` off). ``int4-kernel-prefill``
+is int4 with every prefill token through the int4 kernel, as before prefill chunks got a dense
+matmul: the comparison that change is measured by.
 
     python benchmarks/quantized.py --out benchmarks/results/quantized.json
 """
@@ -35,6 +37,7 @@ VARIANTS = {  # name: (dtype the model loads in, quantize scheme)
     "int8-float-head": ("float32", "int8"),
     "int4": ("float32", "int4"),
     "int4+head": ("float32", "int4"),
+    "int4-kernel-prefill": ("float32", "int4"),  # int4 before prefill chunks got a dense matmul
 }
 
 
@@ -51,6 +54,10 @@ def engines(names: list[str]) -> dict:
         if scheme:
             head = True if name.endswith("+head") else False if name.endswith("-float-head") else None
             quantizing.quantize_model(model.model, scheme, head=head)
+        if name.endswith("-kernel-prefill"):  # every token through the int4 kernel, as it once was
+            for layer in model.model.modules():
+                if isinstance(layer, quantizing.Int4Linear):
+                    layer.unpacks = False
         out[name] = SnapKVLLM(model=model.model, tokenizer=model.tokenizer, prefix_cache_bytes=0)
     return out
 
@@ -96,6 +103,7 @@ def measure(variants: dict, prompts: list, rounds: int, tokens: int) -> dict:
         }
     for cell in row.values():
         cell["speedup_vs_float32"] = cell["tokens_per_s"] / row["float32"]["tokens_per_s"]
+        cell["prefill_vs_float32"] = cell["prefill_s"] / row["float32"]["prefill_s"]
     return row
 
 
@@ -138,7 +146,8 @@ def main() -> None:
         for name, cell in row.items():
             print(
                 f"  {name:10s} {cell['ms_per_token']:7.1f} ms/step {cell['tokens_per_s']:7.1f} tokens/s "
-                f"({cell['speedup_vs_float32']:.2f}x float32), weights {report['weight_bytes'][name] / 2**20:.0f} MiB, "
+                f"({cell['speedup_vs_float32']:.2f}x float32), prefill {cell['prefill_s']:.2f} s "
+                f"({cell['prefill_vs_float32']:.2f}x float32's time), weights {report['weight_bytes'][name] / 2**20:.0f} MiB, "
                 f"same answers as float32 {cell['same_answers_as_float32']}/{cell['answers']}"
             )
     if args.out:

@@ -67,6 +67,25 @@ def test_a_quantized_layer_is_close_to_its_float_layer_and_rows_do_not_affect_ea
     assert torch.equal(alone, got)  # a token's result is the same whatever it is batched with
 
 
+def test_an_int4_prefill_chunk_multiplies_the_kernels_own_weights_and_batches_equal_single_rows():
+    """A chunk of several tokens a row unpacks the 4-bit codes to float weights for one dense
+    matmul (the kernel's time grows with every row); the weights are exactly those the kernel
+    multiplies by, and a row's result does not depend on its batch in either path."""
+    torch.manual_seed(0)
+    layer = quantizing.Int4Linear(nn.Linear(256, 128))
+    assert layer.unpacks  # 128 output rows: two of the kernel's blocks of 64
+    x = torch.randn(3, 9, 256)
+    with torch.inference_mode():
+        got = layer(x)
+        flat = x.reshape(-1, 256)
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, layer.packed, layer.group, layer.scales_and_zeros)
+        kernel = kernel.view_as(got) + layer.bias
+        assert ((got - kernel).norm() / kernel.norm()).item() < 1e-5
+        assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(3)]), got)
+        steps = layer(x[:, :1])  # a decode step of three rows (a strided view): the kernel
+        assert torch.equal(torch.cat([layer(x[i : i + 1, :1]) for i in range(3)]), steps)
+
+
 def test_int8_quantizes_the_weights_only_so_an_activation_outlier_costs_the_other_channels_nothing():
     """Small models carry activation outliers (one channel hundreds of times the rest): quantizing
     each token's activations to int8 would round the other channels to zero. ``"int8"`` is
@@ -100,7 +119,7 @@ def test_the_selection_is_exact_against_the_quantized_models_own_attention(folde
     assert_kept_kv_are_an_independent_selection(llm, ids, BUDGET)
 
 
-@pytest.mark.parametrize("how", ["int8", "torchao-int4"])
+@pytest.mark.parametrize("how", ["int8", "int4", "torchao-int4"])
 def test_a_quantized_batch_equals_single_calls(folder, tokenizer, how):
     if how.startswith("torchao"):
         llm = SnapKVLLM(model=user_quantized(folder, "int4"), tokenizer=tokenizer, max_new_tokens=12)

@@ -12,8 +12,9 @@ The kernels are the fastest this project measured per device (``benchmarks/quant
   activations too (int8 x int8 integer matmul): about as fast, but it changed far more answers
   (``evals/results/quantized``), the activations of a small model carrying the outliers.
 * CPU ``int4``: weight-only, 4-bit groups of 32-128 input channels with a scale and a zero each,
-  through torch's int4 CPU matmul (float32 or bfloat16 activations): the smallest weights, slower
-  than float32 on a CPU (reported by the benchmark, not hidden).
+  through torch's int4 CPU matmul (float32 or bfloat16 activations) for decode steps, and a dense
+  matmul of the unpacked weights for prefill chunks (:class:`Int4Linear`): the smallest weights,
+  decoding slower than float32 on a CPU (reported by the benchmark, not hidden).
 * CUDA: torchao's weight-only configs (``Int8WeightOnlyConfig``; ``Int4WeightOnlyConfig`` with
   group 128 in the tensor-core tile layout, bfloat16 only).
 
@@ -30,6 +31,7 @@ from torch import nn
 
 SCHEMES = ("int8", "int4")
 INT4_GROUPS = (128, 64, 32)  # the largest that divides a layer's input channels
+_INT4_BLOCK = 64  # output rows the int4 CPU kernel packs together
 _HALF = (torch.bfloat16, torch.float16)  # activation dtypes the int8 kernel takes as they are
 log = logging.getLogger(__name__)
 
@@ -169,7 +171,14 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """A weight-only 4-bit linear layer: groups of ``group`` input channels share a scale and a zero
-    (asymmetric, codes 0..15), packed for torch's int4 CPU matmul."""
+    (asymmetric, codes 0..15), packed for torch's int4 CPU matmul.
+
+    That kernel is fast for a decode step (one token a row) but its time grows with every row, so a
+    prefill of a thousand tokens took seconds a layer. A call of several tokens a row (a prefill
+    chunk) instead unpacks the 4-bit codes into float weights of the input's dtype, the same values
+    the kernel multiplies by, and runs one dense matmul: the cost of unpacking is shared by all the
+    chunk's tokens. Decode rows go through the kernel whatever their batch, prefill rows through
+    the dense matmul whatever theirs, so batches still equal single calls."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -186,9 +195,27 @@ class Int4Linear(nn.Module):
         pairs = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", pairs.to(dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.unpacks = self.out_features % _INT4_BLOCK == 0 and torch.equal(self._codes(), codes)
+
+    def _codes(self) -> torch.Tensor:
+        """The 4-bit codes back out of the kernel's layout: output rows in blocks of 64, each byte
+        holding row ``j`` of its block in the low nibble and row ``j + 32`` in the high one, for one
+        input channel. Checked at construction against the codes packed (else never used)."""
+        blocks = self.packed.reshape(-1, self.in_features, _INT4_BLOCK // 2)
+        nibbles = torch.stack([blocks & 15, blocks >> 4], dim=1)  # block, half, input, row
+        return nibbles.permute(0, 1, 3, 2).reshape(self.out_features, self.in_features).to(torch.int32)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weights the kernel multiplies by: ``(code - 8) * scale + zero`` per group."""
+        scale, zero = self.scales_and_zeros.float().permute(2, 1, 0)  # each [out, groups]
+        codes = (self._codes() - 8).to(torch.float32).reshape(self.out_features, -1, self.group)
+        weight = codes * scale[..., None] + zero[..., None]
+        return weight.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
+        if self.unpacks and x.dim() > 2 and x.shape[-2] > 1:  # a prefill chunk: one dense matmul
+            return nn.functional.linear(x, self.dequantized(x.dtype), self.bias)
+        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros)
         if self.bias is not None:
             out = out + self.bias
