@@ -202,3 +202,35 @@ def test_the_cli_and_the_server_run_a_quantized_model_with_an_8_bit_cache(folder
         )
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_a_model_the_user_quantized_answers_the_same_through_langchain_llamaindex_and_the_server(folder, tokenizer):
+    """A TorchAoConfig model handed to the engine is the engine's model in every front: LangChain's
+    and LlamaIndex's adapters over that engine, and the server, give its own greedy answer."""
+    import httpx
+    from server_testing import running_server
+
+    from langchain_snapkv import ChatSnapKV
+    from llama_index.llms.snapkv import SnapKVLLM as LlamaIndexLLM
+
+    llm = SnapKVLLM(model=user_quantized(folder, "int8"), tokenizer=tokenizer, max_new_tokens=6)
+    documents = filler_documents(4)
+    try:
+        expected = llm.generate(QUESTION, documents, snapkv=BUDGET).text
+        assert expected.strip()  # an answer to compare, not an empty one
+        chat = ChatSnapKV(engine=llm, max_tokens=6, snapkv=BUDGET)
+        assert chat.invoke(QUESTION, documents=documents).content == expected
+        index = LlamaIndexLLM(engine=llm, max_new_tokens=6)
+        alone = llm.generate(QUESTION, snapkv=None).text
+        assert index.complete(QUESTION).text == alone
+        with running_server(llm) as (base, _app):
+            reply = httpx.post(
+                f"{base}/v1/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 6},
+                timeout=60,
+            )  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == alone
+        assert llm.weight_quantization == "torchao"
+    finally:
+        llm.close()
