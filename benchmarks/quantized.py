@@ -1,8 +1,8 @@
 """CPU, embedded model: decode speed with quantized weights against float32, in one run.
 
 Engines over the same weights (``quantize_model`` as ``SnapKVLLM(quantize=...)`` applies it:
-float32, int8, int4; and each scheme with the other choice for the output head; and the unquantized
-model in bfloat16, for scale) answer the same RAG prompts, batch 1 (one request) and batch 8 (eight
+float32, int8, int4; and each scheme with the other choice for the output head; the unquantized
+model in bfloat16, for scale, and int8 on it) answer the same RAG prompts, batch 1 (one request) and batch 8 (eight
 concurrent requests through the scheduler), in rotating order over ``--rounds`` rounds; each
 reports decode ms/token (its results' ``timings``). Printed per batch size: tokens/s of each and
 its ratio to float32, the prefill time and its ratio to float32's, the weight bytes a step reads,
@@ -35,6 +35,7 @@ VARIANTS = {  # name: (dtype the model loads in, quantize scheme)
     "bfloat16": ("bfloat16", None),
     "int8": ("float32", "int8"),
     "int8-float-head": ("float32", "int8"),
+    "bfloat16-int8": ("bfloat16", "int8"),  # int8 weights on the model loaded in bfloat16
     "int4": ("float32", "int4"),
     "int4+head": ("float32", "int4"),
     "int4-kernel-prefill": ("float32", "int4"),  # int4 before prefill chunks got a dense matmul
@@ -101,8 +102,12 @@ def measure(variants: dict, prompts: list, rounds: int, tokens: int) -> dict:
             "same_answers_as_float32": sum(a == b for a, b in zip(done[0]["texts"], base)),
             "answers": len(base),
         }
-    for cell in row.values():
+    for name, cell in row.items():
         cell["speedup_vs_float32"] = cell["tokens_per_s"] / row["float32"]["tokens_per_s"]
+        # each round's own ratio (the variants of a round ran minutes apart at most): the spread
+        cell["speedup_by_round"] = [
+            base["ms_per_token"] / own["ms_per_token"] for base, own in zip(runs["float32"], runs[name])
+        ]
         cell["prefill_vs_float32"] = cell["prefill_s"] / row["float32"]["prefill_s"]
     return row
 
@@ -146,7 +151,8 @@ def main() -> None:
         for name, cell in row.items():
             print(
                 f"  {name:10s} {cell['ms_per_token']:7.1f} ms/step {cell['tokens_per_s']:7.1f} tokens/s "
-                f"({cell['speedup_vs_float32']:.2f}x float32), prefill {cell['prefill_s']:.2f} s "
+                f"({cell['speedup_vs_float32']:.2f}x float32; rounds {min(cell['speedup_by_round']):.2f}-"
+                f"{max(cell['speedup_by_round']):.2f}x), prefill {cell['prefill_s']:.2f} s "
                 f"({cell['prefill_vs_float32']:.2f}x float32's time), weights {report['weight_bytes'][name] / 2**20:.0f} MiB, "
                 f"same answers as float32 {cell['same_answers_as_float32']}/{cell['answers']}"
             )
