@@ -106,7 +106,7 @@ def measure(variants: dict, prompts: list, rounds: int, tokens: int) -> dict:
         cell["speedup_vs_float32"] = cell["tokens_per_s"] / row["float32"]["tokens_per_s"]
         # each round's own ratio (the variants of a round ran minutes apart at most): the spread
         cell["speedup_by_round"] = [
-            base["ms_per_token"] / own["ms_per_token"] for base, own in zip(runs["float32"], runs[name])
+            ref["ms_per_token"] / own["ms_per_token"] for ref, own in zip(runs["float32"], runs[name])
         ]
         cell["prefill_vs_float32"] = cell["prefill_s"] / row["float32"]["prefill_s"]
     return row

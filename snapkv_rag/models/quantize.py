@@ -82,9 +82,10 @@ HEAD_BY_DEFAULT = {"int8": True, "int4": False}
 """Whether a scheme quantizes the output head too (as a copy where it shares its weight with the
 embedding, which stays as it is). Measured by ``benchmarks/quantized.py`` on the embedded model,
 whose head is a fifth of its weights: int8 with the head decoded 1.74x float32's tokens/s at batch
-1 and 1.40x at batch 8, against 1.43x and 1.54x without it (``results/quantized.json``): the head
-is kept quantized for the single request a local user makes; int4 with the head gained at batch 1
-and lost at batch 8 (``results/quantized_int4.txt``), so it keeps the float head."""
+1 and 1.40x at batch 8, against 1.43x and 1.54x without it (``results/quantized.json``, 3 rounds),
+and 1.22x and 1.56x against 1.19x and 1.37x in a run of 5 (``results/quantized_rounds5.json``): the
+head is kept quantized, faster at batch 1 in both; int4 with the head gained at batch 1 and lost at
+batch 8 (``results/quantized_int4.txt``), so it keeps the float head."""
 
 
 def quantize_model(model: nn.Module, scheme: str, head: bool | None = None) -> nn.Module:
