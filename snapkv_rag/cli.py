@@ -495,7 +495,7 @@ def _common_options(
         "--kv-dtype",
         default=None,
         choices=("int8", "fp8"),
-        help="keep the compressed cache in 8 bits after selection: int8 (one scale per token and head) or "
+        help="keep the compressed cache in 8 bits after selection: int8 (one scale per token, head and 32 channels) or "
         "fp8 (CUDA only); default: the model's dtype",
     )
     common.add_argument(

@@ -121,8 +121,8 @@ class SnapKVLLM:
     ``"int4"``) quantizes the loaded model's linear layers (:mod:`snapkv_rag.models.quantize`); a model
     quantized by its caller (transformers' ``quantization_config``) runs as it is.
     ``kv_dtype`` stores every kept cache in 8 bits after its selection (which still runs on the
-    prompt's full-precision attention): ``"int8"`` (symmetric, one scale per token and head, in the
-    model's dtype: about half of bf16's bytes, a quarter of float32's), ``"fp8"`` (float8 e4m3,
+    prompt's full-precision attention): ``"int8"`` (symmetric, one scale per token, head and 32
+    channels, in the model's dtype: about half of bf16's bytes, a quarter of float32's), ``"fp8"`` (float8 e4m3,
     CUDA only), ``None`` (the default: the model's dtype, as without it). Decode steps read it
     dequantized; recurrent states, the prefix cache and per-document caches stay full precision;
     stored document files keep the 8-bit tensors and load only into an engine of the same

@@ -10,9 +10,13 @@ model's recurrent states stay in floats; bad values are refused naming ``kv_dtyp
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from families import tiny_model as family_model
+from safetensors import safe_open
+from safetensors.torch import save_file
 from snapkv_testing import filler_documents, tiny_llama
 
 from snapkv_rag import AdaSnapKVConfig, KeyNormConfig, SnapKVConfig, SnapKVLLM, StreamingLLMConfig
@@ -48,24 +52,35 @@ def _layers(compressed) -> list[LayerKV]:
 
 
 @pytest.mark.parametrize("dtype, steps", [(torch.float32, 0.5), (torch.bfloat16, 1.0)])
-def test_quantize_error_is_within_half_a_step_of_each_token_and_head(dtype, steps):
-    """|x - dequantize(quantize(x))| <= scale / 2 = absmax / 254 per (token, head) (bf16: plus its own
-    rounding of the scale and the product, within one step); a head's outlier does not widen another
-    head's step; a zero row has scale 0 and reads back as zeros."""
-    x = torch.randn(2, 3, 40, 16, generator=torch.Generator().manual_seed(0))
+def test_quantize_error_is_within_half_a_step_of_each_token_head_and_group(dtype, steps):
+    """|x - dequantize(quantize(x))| <= scale / 2 = absmax / 254 per (token, head, 32 channels)
+    (bf16: plus its own rounding of the scale and the product, within one step); a head's outlier
+    does not widen another head's step, nor an outlier channel the step of the head's other
+    channels; a zero row has scale 0 and reads back as zeros."""
+    x = torch.randn(2, 3, 40, 64, generator=torch.Generator().manual_seed(0))
     x[0, 1, 5] *= 50  # an outlier token in one head
+    x[0, 2, 9, 40] = 80.0  # an outlier channel in the second group of one token
     x[1, 2, 7] = 0
     x = x.to(dtype)
     q, scale = quantized.quantize(x)
-    assert q.dtype == torch.int8 and scale.dtype == dtype and scale.shape == x.shape[:-1]
+    assert q.dtype == torch.int8 and scale.dtype == dtype and scale.shape == (2, 3, 40, 2)
     assert int(q.abs().max()) <= 127
     back = quantized.dequantize(q, scale)
-    assert back.dtype == dtype
-    step = x.float().abs().amax(-1) / 127
-    error = (back.float() - x.float()).abs().amax(-1)
+    assert back.dtype == dtype and back.shape == x.shape
+    step = x.float().unflatten(-1, (2, 32)).abs().amax(-1) / 127  # [..., 2]: per group
+    error = (back.float() - x.float()).unflatten(-1, (2, 32)).abs().amax(-1)
     assert bool((error <= steps * step + 1e-7).all()), float((error / step.clamp(min=1e-12)).max())
-    assert float(step[0, 0, 5]) < float(step[0, 1, 5]) / 10  # the outlier's scale is its head's alone
-    assert float(scale[1, 2, 7]) == 0 and bool((back[1, 2, 7] == 0).all())
+    assert float(step[0, 0, 5].max()) < float(step[0, 1, 5].min()) / 10  # the outlier's scale is its head's alone
+    assert float(step[0, 2, 9, 0]) < float(step[0, 2, 9, 1]) / 10  # ... and the outlier channel's its group's
+    assert bool((scale[1, 2, 7] == 0).all()) and bool((back[1, 2, 7] == 0).all())
+
+
+def test_a_head_size_that_32_does_not_divide_has_one_scale_per_token_and_head():
+    x = torch.randn(1, 2, 5, 48, generator=torch.Generator().manual_seed(2))
+    q, scale = quantized.quantize(x)
+    assert quantized.groups(48) == 1 and quantized.groups(128) == 4 and scale.shape == (1, 2, 5, 1)
+    step = x.abs().amax(-1) / 127
+    assert bool(((quantized.dequantize(q, scale) - x).abs().amax(-1) <= step / 2 + 1e-7).all())
 
 
 def test_fp8_quantize_keeps_each_number_within_its_relative_step():
@@ -73,9 +88,9 @@ def test_fp8_quantize_keeps_each_number_within_its_relative_step():
     so each number within 1/16 of itself, or within the scale's smallest step near zero."""
     x = torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(1))
     q, scale = quantized.quantize(x, "fp8")
-    assert q.dtype == torch.float8_e4m3fn and scale.shape == x.shape[:-1]
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (*x.shape[:-1], 1)
     back = quantized.dequantize(q, scale)
-    floor = scale[..., None] * 2.0**-9
+    floor = scale * 2.0**-9
     assert bool(((back - x).abs() <= x.abs() / 16 + floor).all())
 
 
@@ -133,17 +148,19 @@ def test_the_selection_is_unchanged_and_the_kept_cache_is_int8_with_scales(engin
             assert torch.equal(a.positions, b.positions)
             assert b.keys.dtype == b.values.dtype == torch.int8 and a.key_scale is None
             assert b.key_scale.dtype == b.value_scale.dtype == a.keys.dtype
-            assert b.key_scale.shape == b.value_scale.shape == a.keys.shape[:-1]
+            groups = quantized.groups(a.keys.shape[-1])
+            assert b.key_scale.shape == b.value_scale.shape == (*a.keys.shape[:-1], groups)
             back = b.floats()
             for x, y in ((a.keys, back.keys), (a.values, back.values)):
-                step = x.abs().amax(-1, keepdim=True) / 127
-                assert bool(((x - y).abs() <= step / 2 + 1e-7).all())
+                step = x.unflatten(-1, (groups, -1)).abs().amax(-1, keepdim=True) / 127  # per group
+                assert bool(((x - y).unflatten(-1, (groups, -1)).abs() <= step / 2 + 1e-7).all())
 
 
-@pytest.mark.parametrize("dtype, low, high", [(torch.bfloat16, 0.5, 0.53), (torch.float32, 0.25, 0.27)])
+@pytest.mark.parametrize("dtype, low, high", [(torch.bfloat16, 0.5, 0.54), (torch.float32, 0.25, 0.29)])
 def test_kv_bytes_are_about_half_of_bf16_and_a_quarter_of_float32(tokenizer, dtype, low, high):
-    """Head dim 64: (64 + 2) / 128 = 0.516 of bf16, (64 + 4) / 256 = 0.266 of float32 (the 8-bit
-    numbers and one scale per token and head); the slot cache's buffers shrink the same way."""
+    """Head dim 64: (64 + 4) / 128 = 0.531 of bf16, (64 + 8) / 256 = 0.281 of float32 (the 8-bit
+    numbers and two scales per token and head, one per 32 channels); the slot cache's buffers
+    shrink the same way."""
     model = tiny_llama(len(tokenizer), hidden_size=128, num_attention_heads=2, num_key_value_heads=1).to(dtype)
     runners = [Runner(model, frozenset({2}), 2, kv_dtype=k) for k in (None, "int8")]
     try:
@@ -151,8 +168,8 @@ def test_kv_bytes_are_about_half_of_bf16_and_a_quarter_of_float32(tokenizer, dty
         (f,), (e,) = (r.prefill([ids], {"s": BUDGET}).compressed["s"] for r in runners)
         (full_f, kept_f), (full_e, kept_e) = f.kv_bytes(), e.kv_bytes()
         assert low < kept_e / kept_f < high and low < full_e / full_f < high
-        # per token and head: 2 x 64 bytes and two scales, against 2 x 64 numbers of the model's dtype
-        assert kept_e / kept_f == pytest.approx((128 + 2 * dtype.itemsize) / (128 * dtype.itemsize))
+        # per token and head: 2 x 64 bytes and 2 x 2 scales, against 2 x 64 numbers of the model's dtype
+        assert kept_e / kept_f == pytest.approx((128 + 4 * dtype.itemsize) / (128 * dtype.itemsize))
         slots = [r.new_slots(2) for r in runners]
         for s, c in zip(slots, (f, e)):
             s.join(0, c, room=16, token=7)
@@ -174,7 +191,10 @@ def test_slot_buffers_are_int8_and_survive_growth_and_leaving(engines):
     slots.join(0, first, room=8, token=7)
     layer = slots.attention[0]
     assert layer.keys.dtype == layer.values.dtype == torch.int8
-    assert layer.key_scale.dtype == torch.float32 and layer.key_scale.shape == layer.keys.shape[:-1]
+    assert layer.key_scale.dtype == torch.float32 and layer.key_scale.shape == (
+        *layer.keys.shape[:-1],
+        quantized.groups(layer.keys.shape[-1]),
+    )
     runner.decode_step(slots, 1)
     write = int(slots.write_at[0]) - 1  # the slot the step's token went to
     assert bool(layer.keys[0, :, write].ne(0).any()) and bool(layer.key_scale[0, :, write].gt(0).all())
@@ -292,11 +312,18 @@ def test_a_document_file_keeps_its_int8_tensors_and_another_kv_dtype_is_refused(
             n = stored.slots
             assert kv.slots > n and kv.keys.dtype == torch.int8
             assert torch.equal(kv.keys[..., :n, :], stored.keys) and torch.equal(
-                kv.value_scale[..., :n], stored.value_scale
+                kv.value_scale[..., :n, :], stored.value_scale
             )
     asked = int8.generate(question, handle, max_new_tokens=6, ignore_eos=True)
     assert asked.usage.cached_tokens == handle.prompt_tokens
     assert int8.generate(question, int8.load_documents(path), max_new_tokens=6, ignore_eos=True).text == asked.text
+    # an 8-bit file of the earlier format (one scale per token and head) is refused, naming why
+    with safe_open(str(path), framework="pt") as f:
+        tensors, meta = {name: f.get_tensor(name) for name in f.keys()}, json.loads(f.metadata()["snapkv_rag"])
+    meta["format"] = "snapkv-rag-documents/3"
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"snapkv_rag": json.dumps(meta)})
+    with pytest.raises(ValueError, match=r"old.safetensors holds an 8-bit cache in an earlier format"):
+        int8.load_documents(tmp_path / "old.safetensors")
 
 
 def test_a_prefix_cache_hit_keeps_the_same_positions(tiny_model, tokenizer, engines):

@@ -47,8 +47,8 @@ class LayerKV:
     and the original prompt position of each slot, ``positions`` ``[1, H_kv, n]``; for a hybrid layer
     also its conv / SSM ``state`` after the prompt (a transformers ``LinearAttentionLayer``, never
     quantized). Under a ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`) ``keys``/``values`` are 8-bit
-    and ``key_scale``/``value_scale`` ``[1, H_kv, n]`` (the compute dtype) their per-token, per-head
-    scales; ``None`` for a layer held in floats."""
+    and ``key_scale``/``value_scale`` ``[1, H_kv, n, G]`` (the compute dtype) their scales, per
+    token, head and group of channels; ``None`` for a layer held in floats."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -94,8 +94,8 @@ class LayerKV:
         )
         if head is not None and head.kv_dtype == kv_dtype:
             n = head.slots
-            keys[..., :n, :], key_scale[..., :n] = head.keys, head.key_scale
-            values[..., :n, :], value_scale[..., :n] = head.values, head.value_scale
+            keys[..., :n, :], key_scale[..., :n, :] = head.keys, head.key_scale
+            values[..., :n, :], value_scale[..., :n, :] = head.values, head.value_scale
         return LayerKV(keys, values, self.positions, self.state, key_scale, value_scale)
 
     def slot_bytes(self) -> int:
@@ -105,7 +105,8 @@ class LayerKV:
             self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
         )
         if self.key_scale is not None:
-            size += heads * (self.key_scale.element_size() + self.value_scale.element_size())
+            for scale in (self.key_scale, self.value_scale):
+                size += heads * scale.shape[-1] * scale.element_size()
         return size
 
 

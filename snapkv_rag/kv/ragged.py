@@ -11,8 +11,8 @@ holds only what was kept:
 
 ``N`` is the kept slots of all heads together, head after head; ``counts[h]`` of them are head
 ``h``'s. A layer quantized under a ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`) keeps its 8-bit
-keys and values and packs their scales ``key_scale``/``value_scale`` ``[N]`` the same way. A layer whose empty slots are not all before its kept ones in every head is kept padded
-as it is (``packed.padded``), so that unpacking never reorders anything.
+keys and values and packs their scales ``key_scale``/``value_scale`` ``[N, G]`` the same way. A
+layer whose empty slots are not all before its kept ones in every head is kept padded as it is (``packed.padded``), so that unpacking never reorders anything.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class PackedKV:
     counts: torch.Tensor
     width: int = 0  # the padded layer's slots per head (its widest head's, or more)
     padded: LayerKV | None = None  # a layout :func:`pack` does not flatten, kept as it was
-    key_scale: torch.Tensor | None = None  # [N]: under a kv_dtype, the keys' scales (None: floats)
+    key_scale: torch.Tensor | None = None  # [N, G]: under a kv_dtype, the keys' scales (None: floats)
     value_scale: torch.Tensor | None = None
 
     @property
@@ -58,7 +58,7 @@ class PackedKV:
             source.keys.shape[-1] * source.keys.element_size() + source.values.shape[-1] * source.values.element_size()
         )
         if source.key_scale is not None:
-            size += source.key_scale.element_size() + source.value_scale.element_size()
+            size += sum(s.shape[-1] * s.element_size() for s in (source.key_scale, source.value_scale))
         return heads * size
 
 
@@ -109,7 +109,7 @@ def unpack(packed: PackedKV) -> LayerKV:
     for packed_scale in (packed.key_scale, packed.value_scale):
         scale = None
         if packed_scale is not None:
-            scale = packed_scale.new_zeros((heads, widest))
+            scale = packed_scale.new_zeros((heads, widest, packed_scale.shape[-1]))
             scale[trailing] = packed_scale
             scale = scale[None]
         scales.append(scale)

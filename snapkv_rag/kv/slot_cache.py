@@ -18,7 +18,7 @@ window), without a host sync; :meth:`SlotCache.end_step` advances the rows in us
 to it: its numbers stay finite and its token is ignored.
 
 Under a ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`) the keys and values buffers are 8-bit, each
-with a scale buffer ``[rows, H_kv, capacity]`` in the compute dtype: a joining request's layers are
+with a scale buffer ``[rows, H_kv, capacity, G]`` in the compute dtype: a joining request's layers are
 written quantized, a step's token is quantized as it is written, and the model's attention reads
 the step's slots dequantized (:class:`SlotLayer`).
 
@@ -79,7 +79,7 @@ class SlotLayer(DynamicLayer):
     token at each row's write index and returns the step's view of the buffer: the bucket's rows,
     their first ``length`` slots (the width of the step's masks). Under the cache's ``kv_dtype``
     the buffers are 8-bit with a scale buffer each (``key_scale``/``value_scale``
-    ``[rows, H_kv, capacity]``, the compute dtype): the step's token is quantized as it is written,
+    ``[rows, H_kv, capacity, G]``, the compute dtype): the step's token is quantized as it is written,
     and what ``update`` returns is those slots dequantized (a copy in the compute dtype)."""
 
     def __init__(self, spec: LayerSpec, cache: SlotCache, index: int):
@@ -313,8 +313,8 @@ class SlotCache(LayerTrackingCache):
         shapes = {"keys": kv.keys.shape[-1], "values": kv.values.shape[-1]}
         out = {name: kv.keys.new_zeros((rows, heads, capacity, size), dtype=storage) for name, size in shapes.items()}
         if self.kv_dtype is not None:
-            for name in ("key_scale", "value_scale"):
-                out[name] = kv.keys.new_zeros((rows, heads, capacity), dtype=dtype)
+            for name, size in (("key_scale", shapes["keys"]), ("value_scale", shapes["values"])):
+                out[name] = kv.keys.new_zeros((rows, heads, capacity, quantized.groups(size)), dtype=dtype)
         return out
 
     def buffer_bytes(self) -> int:
