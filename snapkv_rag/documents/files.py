@@ -5,8 +5,8 @@ without padding (every head's kept slots one after another, with ``.counts`` per
 padded ``.width``: :mod:`snapkv_rag.kv.ragged`; a layer that layout does not fit is saved padded, as
 every layer was in the first format, which still loads); under a ``kv_dtype`` (an 8-bit kept
 cache, :mod:`snapkv_rag.kv.quantized`) the keys and values are the 8-bit tensors themselves, with
-``.key_scale`` / ``.value_scale`` (per slot and group of channels) beside them, and the metadata names the ``kv_dtype``: a file is
-loaded only by an engine of the same ``kv_dtype`` (another is refused, naming both); a recurrent layer's state after the
+``.key_scale`` / ``.value_scale`` (per slot and group of channels) beside them, and the metadata
+names the ``kv_dtype``: a file is loaded only by an engine of the same ``kv_dtype`` (another is refused, naming both); a recurrent layer's state after the
 prefix is ``state.<i>.conv_states.<n>`` / ``.recurrent_states.<n>``, its flags in the metadata; the
 safetensors header's metadata holds one JSON string, ``snapkv_rag``: the file format, the
 library version, the model's and tokenizer's identity, the method with its settings, the prefix's
@@ -42,9 +42,10 @@ from ..request.prompts import Document
 from .stored import Stored, documents_hash, entry_key, identity, method_from_json, method_json
 
 FORMAT = "snapkv-rag-documents/4"  # /4: 8-bit K/V with a scale per group of channels
-# /1: every layer padded; /2: packed; /3: kv_dtype in the metadata, 8-bit K/V with one scale per
-# token and head (only its float files are read: the 8-bit ones would need quantizing again)
-READS = ("snapkv-rag-documents/1", "snapkv-rag-documents/2", "snapkv-rag-documents/3", FORMAT)
+# /3: kv_dtype in the metadata, 8-bit K/V with one scale per token and head (only its float files
+# are read: the 8-bit ones would need quantizing again)
+PER_HEAD_SCALES = "snapkv-rag-documents/3"
+READS = ("snapkv-rag-documents/1", "snapkv-rag-documents/2", PER_HEAD_SCALES, FORMAT)  # /1: padded; /2: packed
 META = "snapkv_rag"
 SLOT_TENSORS = ("keys", "values", "positions", "key_scale", "value_scale")  # per slot (scales: 8-bit only)
 TENSOR_STATES = ("conv_states", "recurrent_states")  # a recurrent layer's state object: its tensors
@@ -214,7 +215,7 @@ def _check_meta(llm, path: Path, meta) -> dict:
                 f"{mine[field]!r}): index the documents again with this engine"
             )
     engine_kv = getattr(llm.runner, "kv_dtype", None)
-    if meta.get("kv_dtype") is not None and meta["format"] == "snapkv-rag-documents/3":
+    if meta.get("kv_dtype") is not None and meta["format"] == PER_HEAD_SCALES:
         raise ValueError(
             f"path: {path} holds an 8-bit cache in an earlier format (one scale per token and head; "
             f"this version keeps one per group of channels): index the documents again with this engine"

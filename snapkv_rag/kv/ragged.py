@@ -12,7 +12,8 @@ holds only what was kept:
 ``N`` is the kept slots of all heads together, head after head; ``counts[h]`` of them are head
 ``h``'s. A layer quantized under a ``kv_dtype`` (:mod:`snapkv_rag.kv.quantized`) keeps its 8-bit
 keys and values and packs their scales ``key_scale``/``value_scale`` ``[N, G]`` the same way. A
-layer whose empty slots are not all before its kept ones in every head is kept padded as it is (``packed.padded``), so that unpacking never reorders anything.
+layer whose empty slots are not all before its kept ones in every head is kept padded as it is
+(``packed.padded``), so that unpacking never reorders anything.
 """
 
 from __future__ import annotations
