@@ -91,6 +91,35 @@ def check_config(snapkv: Any):
     return snapkv
 
 
+def check_options(model, attn_implementation, prefill_chunk, compile, quantize, kv_dtype) -> str | None:
+    """The engine's options that need no model, checked before one loads: each bad value a ValueError
+    naming its option; returns ``quantize`` checked."""
+    quantize = quantizing.check_quantize(quantize)
+    if quantize and isinstance(model, torch.nn.Module):
+        raise ValueError(
+            f"quantize={quantize!r}: applies to a model the engine loads (a name, folder or None); a model "
+            "you pass runs as it is: quantize it before (e.g. transformers' TorchAoConfig) and leave quantize=None"
+        )
+    if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, got {attn_implementation!r}"
+        )
+    if prefill_chunk is not None and (
+        isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk <= 0
+    ):
+        raise ValueError(f"prefill_chunk: expected a positive number of tokens or None, got {prefill_chunk!r}")
+    # before the model loads (fp8 on a CPU model of a CUDA machine: the runner refuses it)
+    quantized.check_kv_dtype(kv_dtype, None if torch.cuda.is_available() else "cpu")
+    if not isinstance(compile, (bool, str)):
+        raise ValueError(f"compile: expected True, False or a torch.compile mode name, got {compile!r}")
+    if compile and attn_implementation == "flash_attention_2":
+        raise ValueError(
+            "compile: the fixed-size decode cache needs a 4-D attention mask, which "
+            "flash_attention_2 does not take; use attn_implementation='sdpa' with compile"
+        )
+    return quantize
+
+
 class SnapKVLLM:
     """A local causal LM that answers over retrieved documents from a SnapKV-compressed cache.
 
@@ -152,50 +181,14 @@ class SnapKVLLM:
         quantize: str | None = None,
         kv_dtype: str | None = None,
     ):
-        quantize = quantizing.check_quantize(quantize)
-        if quantize and isinstance(model, torch.nn.Module):
-            raise ValueError(
-                f"quantize={quantize!r}: applies to a model the engine loads (a name, folder or None); a model "
-                "you pass runs as it is: quantize it before (e.g. transformers' TorchAoConfig) and leave quantize=None"
-            )
-        if attn_implementation is not None and attn_implementation not in attention.BASE_IMPLEMENTATIONS:
-            raise ValueError(
-                f"attn_implementation: must be one of {attention.BASE_IMPLEMENTATIONS} or None, "
-                f"got {attn_implementation!r}"
-            )
+        quantize = check_options(model, attn_implementation, prefill_chunk, compile, quantize, kv_dtype)
         self.default_snapkv = check_config(snapkv)
-        if prefill_chunk is not None and (
-            isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk <= 0
-        ):
-            raise ValueError(f"prefill_chunk: expected a positive number of tokens or None, got {prefill_chunk!r}")
-        # before the model loads (fp8 on a CPU model of a CUDA machine: the runner refuses it)
-        quantized.check_kv_dtype(kv_dtype, None if torch.cuda.is_available() else "cpu")
-        if not isinstance(compile, (bool, str)):
-            raise ValueError(f"compile: expected True, False or a torch.compile mode name, got {compile!r}")
-        if compile and attn_implementation == "flash_attention_2":
-            raise ValueError(
-                "compile: the fixed-size decode cache needs a 4-D attention mask, which "
-                "flash_attention_2 does not take; use attn_implementation='sdpa' with compile"
-            )
         self.max_new_tokens = SamplingOptions(
             max_new_tokens=128 if max_new_tokens is None else max_new_tokens
         ).max_new_tokens
         self._structured_max_new_tokens = cited.STRUCTURED_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
         self.instruction = instruction
-        if isinstance(model, torch.nn.Module):
-            if tokenizer is None:
-                raise ValueError("tokenizer: required when model is an already loaded model")
-            if device is not None:  # asked for explicitly: move the caller's model there
-                model = model.to(loading.check_device(device))
-            if dtype not in (None, "auto"):
-                model = model.to(loading.resolve_dtype(dtype, str(next(model.parameters()).device)))
-            self.model, self.tokenizer = model.eval(), tokenizer
-            self.model_name = getattr(model.config, "_name_or_path", None) or type(model).__name__
-        else:
-            loaded = loading.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-            self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
-            if quantize:
-                quantizing.quantize_model(self.model, quantize)
+        self._adopt_or_load(model, tokenizer, device, dtype, trust_remote_code, quantize)
         # None, "int8"/"int4" (ours) or the method of a model the caller quantized
         self.weight_quantization = quantizing.quantized_by(self.model)
         self.attn_implementation = attention.resolve_implementation(self.model, attn_implementation)
@@ -221,6 +214,24 @@ class SnapKVLLM:
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch=max_batch, max_kv_bytes=max_kv_bytes)
         if folder is not None:
             folder.open(self)  # crashed writes cleaned up, bad files named in the log
+
+    def _adopt_or_load(self, model, tokenizer, device, dtype, trust_remote_code, quantize) -> None:
+        """The caller's loaded model (moved where ``device``/``dtype`` ask), or the one ``model`` names,
+        loaded and quantized as ``quantize`` asks."""
+        if isinstance(model, torch.nn.Module):
+            if tokenizer is None:
+                raise ValueError("tokenizer: required when model is an already loaded model")
+            if device is not None:  # asked for explicitly: move the caller's model there
+                model = model.to(loading.check_device(device))
+            if dtype not in (None, "auto"):
+                model = model.to(loading.resolve_dtype(dtype, str(next(model.parameters()).device)))
+            self.model, self.tokenizer = model.eval(), tokenizer
+            self.model_name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+        else:
+            loaded = loading.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+            self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+            if quantize:
+                quantizing.quantize_model(self.model, quantize)
 
     def close(self) -> None:
         """Stop the scheduler's worker (requests still running end with an error) and switch the

@@ -18,59 +18,73 @@ log = logging.getLogger("snapkv_rag.server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's own options, in groups that ``--help`` shows under their titles."""
     parser.add_argument("--no-snapkv", dest="full", action="store_true", help="the same as --full")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="(default 8000)")
-    parser.add_argument(
+    _listening(parser.add_argument_group("listening and access"))
+    _limits(parser.add_argument_group("limits"))
+    _caches(parser.add_argument_group("caches"))
+    _replicas(parser.add_argument_group("replicas"))
+
+
+def _listening(group) -> None:
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    group.add_argument(
         "--served-model-name",
         default=None,
         help="the model id clients send (default: --model, or the embedded model's name)",
     )
-    parser.add_argument(
-        "--max-batch", type=int, default=16, help="requests decoded together (default 16; 1 = one at a time)"
-    )
-    parser.add_argument(
-        "--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429 (default 64)"
-    )
-    parser.add_argument(
+    group.add_argument(
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${KEY_VARIABLE} if set)",
     )
-    parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host without an API key")
-    parser.add_argument(
-        "--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413 (default 4 MiB)"
-    )
-    parser.add_argument(
-        "--max-documents", type=int, default=64, help="more documents in one request get 400 (default 64)"
-    )
-    parser.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        metavar="TOKENS",
-        help="a longer prompt (documents and tools included) gets 400 (default: the model's context window)",
-    )
-    parser.add_argument(
-        "--max-streams",
-        type=int,
-        default=64,
-        help="more streamed responses open at once get 429 (default 64)",
-    )
-    parser.add_argument(
+    group.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host without an API key")
+    group.add_argument(
         "--cors-origin",
         action="append",
         default=[],
         metavar="ORIGIN",
         help="allow browser requests from ORIGIN (repeatable; default: none)",
     )
-    parser.add_argument(
+
+
+def _limits(group) -> None:
+    group.add_argument(
+        "--max-batch", type=int, default=16, help="requests decoded together (default 16; 1 = one at a time)"
+    )
+    group.add_argument(
+        "--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429 (default 64)"
+    )
+    group.add_argument(
+        "--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413 (default 4 MiB)"
+    )
+    group.add_argument(
+        "--max-documents", type=int, default=64, help="more documents in one request get 400 (default 64)"
+    )
+    group.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="a longer prompt (documents and tools included) gets 400 (default: the model's context window)",
+    )
+    group.add_argument(
+        "--max-streams",
+        type=int,
+        default=64,
+        help="more streamed responses open at once get 429 (default 64)",
+    )
+    group.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
         help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish before they are cancelled (default 30)",
     )
-    parser.add_argument(
+
+
+def _caches(group) -> None:
+    group.add_argument(
         "--prefix-cache-bytes",
         type=int,
         default=1 << 30,
@@ -78,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bound of the document prefix cache: the prefill of instruction + documents is kept "
         "and reused by the next question over them (default 1 GiB; 0 disables)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--doc-store-bytes",
         type=int,
         default=1 << 30,
@@ -87,14 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "method (keynorm, kvzip) over documents seen before prefills only its question "
         "(default 1 GiB; 0 disables)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--doc-store-dir",
         default=None,
         metavar="DIR",
         help="keep the compressed document sets in DIR too, one file per set, written atomically: a "
         "restarted server answers from them (default: none, memory only)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--doc-store-disk-bytes",
         type=int,
         default=4 << 30,
@@ -102,7 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bound of --doc-store-dir: the least recently used files go beyond it, and a set larger "
         "than it is not written (default 4 GiB)",
     )
-    parser.add_argument(
+
+
+def _replicas(group) -> None:
+    group.add_argument(
         "--replicas",
         type=int,
         default=None,
@@ -111,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "behind the same routes, one GPU each where there are GPUs (needs the ray extra; default: one "
         "engine in this process, no Ray)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--ray-address",
         default=None,
         help="with --replicas: the Ray cluster to join, as it is: who "
