@@ -1,19 +1,20 @@
 """Stored document sets on disk: one safetensors file per set (:mod:`snapkv_rag.documents.store`).
 
 The tensors are ``layer.<i>.keys`` / ``.values`` / ``.positions`` per attention layer, packed
-without padding (every head's kept slots one after another, with ``.counts`` per head and the
-padded ``.width``: :mod:`snapkv_rag.kv.ragged`; a layer that layout does not fit is saved padded, as
-every layer was in the first format, which still loads); under a ``kv_dtype`` (an 8-bit kept
-cache, :mod:`snapkv_rag.kv.quantized`) the keys and values are the 8-bit tensors themselves, with
+without padding (every head's kept slots one after another, with ``.counts`` per head and the padded
+``.width``: :mod:`snapkv_rag.kv.ragged`; a layer that layout does not fit is saved padded, as every
+layer was in the first format, which still loads); under a ``kv_dtype`` (an 8-bit kept cache,
+:mod:`snapkv_rag.kv.quantized`) the keys and values are the 8-bit tensors themselves, with
 ``.key_scale`` / ``.value_scale`` (per slot and group of channels) beside them, and the metadata
-names the ``kv_dtype``: a file is loaded only by an engine of the same ``kv_dtype`` (another is refused, naming both); a recurrent layer's state after the
-prefix is ``state.<i>.conv_states.<n>`` / ``.recurrent_states.<n>``, its flags in the metadata; the
-safetensors header's metadata holds one JSON string, ``snapkv_rag``: the file format, the
-library version, the model's and tokenizer's identity, the method with its settings, the prefix's
-token ids, the documents (and a hash of their text), the instruction, the entry's key and a
-SHA-256 of the tensor data. Loading checks all of it: a file from another model, dtype,
-``kv_dtype``, tokenizer or library version, an unreadable / truncated file, or data that does not hash to what
-was saved, is refused with a ``ValueError`` that says which.
+names the ``kv_dtype``: a file is loaded only by an engine of the same ``kv_dtype`` (another is
+refused, naming both); a recurrent layer's state after the prefix is ``state.<i>.conv_states.<n>`` /
+``.recurrent_states.<n>``, its flags in the metadata; the safetensors header's metadata holds one
+JSON string, ``snapkv_rag``: the file format, the library version, the model's and tokenizer's
+identity, the method with its settings, the prefix's token ids, the documents (and a hash of their
+text), the instruction, the entry's key and a SHA-256 of the tensor data. Loading checks all of it:
+a file from another model, dtype, ``kv_dtype``, tokenizer or library version, an unreadable /
+truncated file, or data that does not hash to what was saved, is refused with a ``ValueError`` that
+says which.
 
 Saving writes a temporary file beside ``path`` (``.<name>.<pid>.partial``), flushes it to disk and
 renames it into place, then flushes the folder, so a crash (even SIGKILL or a power cut) leaves at
@@ -45,7 +46,8 @@ FORMAT = "snapkv-rag-documents/4"  # /4: 8-bit K/V with a scale per group of cha
 # /3: kv_dtype in the metadata, 8-bit K/V with one scale per token and head (only its float files
 # are read: the 8-bit ones would need quantizing again)
 PER_HEAD_SCALES = "snapkv-rag-documents/3"
-READS = ("snapkv-rag-documents/1", "snapkv-rag-documents/2", PER_HEAD_SCALES, FORMAT)  # /1: padded; /2: packed
+# /1: every layer padded; /2: packed
+READS = ("snapkv-rag-documents/1", "snapkv-rag-documents/2", PER_HEAD_SCALES, FORMAT)
 META = "snapkv_rag"
 SLOT_TENSORS = ("keys", "values", "positions", "key_scale", "value_scale")  # per slot (scales: 8-bit only)
 TENSOR_STATES = ("conv_states", "recurrent_states")  # a recurrent layer's state object: its tensors
