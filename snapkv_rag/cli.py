@@ -373,20 +373,7 @@ def cmd_demo(args) -> int:
     if not settings["given"] and args.model is None:
         _say(f"Why {name}: {DEMO_WHY}.")
     for record in chosen:
-        docs, gold = demo_documents(record, args.docs)
-        prompt = llm.prompt_tokens(record["question"], docs)
-        print(f"\nQ: {record['question']}")
-        _say(
-            f"{len(docs)} retrieved NQ passages, {prompt:,} prompt tokens; the gold passage is [{gold}] "
-            f"{record['gold']['title']}; accepted answers: {' / '.join(record['answers'])}",
-            indent="   ",
-        )
-        full = llm.generate(record["question"], docs, snapkv=False, stop=["\n"])
-        compressed = llm.generate(record["question"], docs, snapkv=config, stop=["\n"])
-        _demo_answer("full cache", full, record, docs, None)
-        _demo_answer(name, compressed, record, docs, full.text)
-        print()
-        _demo_table(("full cache", name), full, compressed)
+        _demo_question(llm, record, args.docs, config, name)
     if llm.device.type == "cpu":
         print()
         _say(
@@ -398,6 +385,25 @@ def cmd_demo(args) -> int:
         print('\nHow the gains grow with the prompt, on a GPU: docs/benchmarks.md, "Performance".')
     print(f"Quality against kept bytes, in plots/fidelity_vs_bytes.png (docs/evals.md): {DEMO_EVAL}")
     return 0
+
+
+def _demo_question(llm, record: dict, num_docs: int, config, name: str) -> None:
+    """One bundled question over ``num_docs`` passages: its prompt, then the full cache's answer and
+    the compressed one's, each from its own ``generate`` call, and the table of what each cost."""
+    docs, gold = demo_documents(record, num_docs)
+    prompt = llm.prompt_tokens(record["question"], docs)
+    print(f"\nQ: {record['question']}")
+    _say(
+        f"{len(docs)} retrieved NQ passages, {prompt:,} prompt tokens; the gold passage is [{gold}] "
+        f"{record['gold']['title']}; accepted answers: {' / '.join(record['answers'])}",
+        indent="   ",
+    )
+    full = llm.generate(record["question"], docs, snapkv=False, stop=["\n"])
+    compressed = llm.generate(record["question"], docs, snapkv=config, stop=["\n"])
+    _demo_answer("full cache", full, record, docs, None)
+    _demo_answer(name, compressed, record, docs, full.text)
+    print()
+    _demo_table(("full cache", name), full, compressed)
 
 
 def cmd_serve(args) -> int:
@@ -467,9 +473,17 @@ DEFAULT_HELP = (
 def _common_options(
     budget_default: str = DEFAULT_HELP[0], method_default: str = DEFAULT_HELP[1]
 ) -> argparse.ArgumentParser:
-    """The options every command but eval takes, their help naming that command's defaults."""
+    """The options every command but eval takes, their help naming that command's defaults: the
+    model's under "model", the cache's under "compression" in ``--help``."""
     common = argparse.ArgumentParser(add_help=False)
-    talk = common.add_mutually_exclusive_group()
+    _model_options(common.add_argument_group("model"))
+    _compression_options(common.add_argument_group("compression"), budget_default, method_default)
+    return common
+
+
+def _model_options(group) -> None:
+    """What runs: the messages shown, the model, its device, dtype and quantization, the kept cache's dtype."""
+    talk = group.add_mutually_exclusive_group()
     talk.add_argument(
         "-v",
         "--verbose",
@@ -477,35 +491,39 @@ def _common_options(
         help="progress of loading and generation, and transformers' own messages",
     )
     talk.add_argument("-q", "--quiet", action="store_true", help="errors only: no notes or warnings")
-    common.add_argument(
+    group.add_argument(
         "--model", default=None, help="model folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)"
     )
-    common.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    common.add_argument(
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    group.add_argument(
         "--dtype", default=None, help="float32, bfloat16, float16 (default: bfloat16 on GPU, float32 on CPU)"
     )
-    common.add_argument(
+    group.add_argument(
         "--quantize",
         default=None,
         choices=("int8", "int4"),
         help="quantize the model's linear layers after loading: int8 (the fastest on a CPU) or int4 "
         "(the smallest); default: as loaded",
     )
-    common.add_argument(
+    group.add_argument(
         "--kv-dtype",
         default=None,
         choices=("int8", "fp8"),
         help="keep the compressed cache in 8 bits after selection: int8 (one scale per token, head and 32 channels) or "
         "fp8 (CUDA only); default: the model's dtype",
     )
-    common.add_argument(
+
+
+def _compression_options(group, budget_default: str, method_default: str) -> None:
+    """How the prompt's cache is compressed, and how long the answer may be."""
+    group.add_argument(
         "--budget",
         type=budget_value,
         default=None,
         help="prompt tokens kept per layer and KV "
         f"head (512), or a share of each prompt (50%%, never below 128 tokens); default {budget_default}",
     )
-    common.add_argument(
+    group.add_argument(
         "--method",
         default=None,
         choices=CLI_METHODS,
@@ -517,14 +535,11 @@ def _common_options(
         "whatever the question; kvzip: what the model attends to when it re-reads the prompt, "
         f"whatever the question (a second prefill's cost) (default {method_default})",
     )
-    common.add_argument("--window", type=int, default=None, help="observation window (default 32)")
-    common.add_argument(
-        "--kernel", type=int, default=None, help="pooling kernel, odd (default 7; kvzip: 1, no pooling)"
-    )
-    common.add_argument("--pooling", default=None, choices=("max", "avg"), help="(default max)")
-    common.add_argument("--full", action="store_true", help="no compression: the full cache")
-    common.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit (default 64)")
-    return common
+    group.add_argument("--window", type=int, default=None, help="observation window (default 32)")
+    group.add_argument("--kernel", type=int, default=None, help="pooling kernel, odd (default 7; kvzip: 1, no pooling)")
+    group.add_argument("--pooling", default=None, choices=("max", "avg"), help="(default max)")
+    group.add_argument("--full", action="store_true", help="no compression: the full cache")
+    group.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit (default 64)")
 
 
 def build_parser() -> argparse.ArgumentParser:

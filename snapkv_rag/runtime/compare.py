@@ -145,6 +145,22 @@ def compare(
         {full_name: recorder} if record else None,
         together,
     )
+    results, kept, prefill_s = _collect(tickets, requests, request, prompt_tokens)
+    for name in full_names:
+        results[name] = results[full_name]
+    rates = {}
+    if record:
+        rates = {
+            name: attention_hit_rate(recorder.totals, kept[name])
+            for name, config in methods.items()
+            if config is not None
+        }
+    return Comparison(results={name: results[name] for name in methods}, hit_rate=rates, prefill_s=prefill_s)
+
+
+def _collect(tickets: Mapping, requests: Mapping[str, Request], request: Request, prompt_tokens: int):
+    """Each method's finished result, the prompt positions it kept, and the prefill time; every
+    ticket is cancelled on the way out, so an error in one leaves no row decoding."""
     results: dict[str, GenerationResult] = {}
     kept: dict[str, dict[int, torch.Tensor]] = {}
     prefill_s = 0.0
@@ -162,13 +178,4 @@ def compare(
     finally:
         for ticket in tickets.values():
             ticket.cancel()
-    for name in full_names:
-        results[name] = results[full_name]
-    rates = {}
-    if record:
-        rates = {
-            name: attention_hit_rate(recorder.totals, kept[name])
-            for name, config in methods.items()
-            if config is not None
-        }
-    return Comparison(results={name: results[name] for name in methods}, hit_rate=rates, prefill_s=prefill_s)
+    return results, kept, prefill_s

@@ -359,7 +359,26 @@ def schema(settings: ServerSettings) -> dict:
     from pydantic.json_schema import models_json_schema
 
     _, defs = models_json_schema([(m, "validation") for m in MODELS], ref_template=REF)
-    components = defs["$defs"]
+    components = _tailored(defs["$defs"], settings)
+    document = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "snapkv-rag",
+            "version": _version(),
+            "description": "OpenAI-compatible chat and completions over documents, with SnapKV compression",
+        },
+        "paths": _paths(),
+        "components": {"schemas": components},
+    }
+    if settings.api_key:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+    return document
+
+
+def _tailored(components: dict, settings: ServerSettings) -> dict:
+    """The request bodies as this server checks them: its one model name, the ``snapkv`` options,
+    at most ``--max-documents`` documents, and prompts that are not blank."""
     for name in ("ChatRequest", "CompletionRequest"):
         body = components[name]
         body["properties"]["model"] = {"type": "string", "enum": [settings.model_name], "description": "GET /v1/models"}
@@ -374,54 +393,40 @@ def schema(settings: ServerSettings) -> dict:
     completion = components["CompletionRequest"]["properties"]["prompt"]
     completion["anyOf"][0]["pattern"] = r"\S"
     completion["anyOf"][1]["items"] = {"type": "string", "pattern": r"\S"}
+    return components
+
+
+def _paths() -> dict:
+    """Each route's operation: the two generation routes, the model list, health and metrics."""
     models = {
-        "get": {
-            "summary": "the model served",
-            "operationId": "models",
-            "responses": {"200": {"description": "one model", "content": _json("ModelList")}, **_errors("401")},
-        }
+        "summary": "the model served",
+        "operationId": "models",
+        "responses": {"200": {"description": "one model", "content": _json("ModelList")}, **_errors("401")},
     }
     health = {
-        "get": {
-            "summary": "liveness (no API key needed)",
-            "operationId": "health",
-            "security": [],
-            "responses": {
-                "200": {"description": "serving", "content": _json("Health")},
-                "503": {"description": "shutting down", "content": _json("Health")},
-            },
-        }
+        "summary": "liveness (no API key needed)",
+        "operationId": "health",
+        "security": [],
+        "responses": {
+            "200": {"description": "serving", "content": _json("Health")},
+            "503": {"description": "shutting down", "content": _json("Health")},
+        },
     }
     metrics = {
-        "get": {
-            "summary": "Prometheus metrics",
-            "operationId": "metrics",
-            "responses": {
-                "200": {"description": "the metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
-                **_errors("401"),
-            },
-        }
-    }
-    document = {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "snapkv-rag",
-            "version": _version(),
-            "description": "OpenAI-compatible chat and completions over documents, with SnapKV compression",
+        "summary": "Prometheus metrics",
+        "operationId": "metrics",
+        "responses": {
+            "200": {"description": "the metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **_errors("401"),
         },
-        "paths": {
-            "/v1/chat/completions": _generation("ChatRequest", "ChatCompletion", "a chat answer"),
-            "/v1/completions": _generation("CompletionRequest", "TextCompletion", "a completion"),
-            "/v1/models": models,
-            "/health": health,
-            "/metrics": metrics,
-        },
-        "components": {"schemas": components},
     }
-    if settings.api_key:
-        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        document["security"] = [{"bearer": []}]
-    return document
+    return {
+        "/v1/chat/completions": _generation("ChatRequest", "ChatCompletion", "a chat answer"),
+        "/v1/completions": _generation("CompletionRequest", "TextCompletion", "a completion"),
+        "/v1/models": {"get": models},
+        "/health": {"get": health},
+        "/metrics": {"get": metrics},
+    }
 
 
 def _version() -> str:
