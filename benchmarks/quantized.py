@@ -7,8 +7,8 @@ concurrent requests through the scheduler), in rotating order over ``--rounds`` 
 reports decode ms/token (its results' ``timings``). Printed per batch size: tokens/s of each and
 its ratio to float32, the prefill time and its ratio to float32's, the weight bytes a step reads,
 and how many of the answers equal float32's (greedy, ``ignore_eos`` off). ``int4-kernel-prefill``
-is int4 with every prefill token through the int4 kernel, as before prefill chunks got a dense
-matmul: the comparison that change is measured by.
+and ``int8-kernel-prefill`` are int4 and int8 with every prefill token through their kernel, as
+before prefill chunks got a dense matmul: the comparison that change is measured by.
 
     python benchmarks/quantized.py --out benchmarks/results/quantized.json
 """
@@ -35,6 +35,7 @@ VARIANTS = {  # name: (dtype the model loads in, quantize scheme)
     "bfloat16": ("bfloat16", None),
     "int8": ("float32", "int8"),
     "int8-float-head": ("float32", "int8"),
+    "int8-kernel-prefill": ("float32", "int8"),  # int8 before prefill chunks got a dense matmul
     "bfloat16-int8": ("bfloat16", "int8"),  # int8 weights on the model loaded in bfloat16
     "int4": ("float32", "int4"),
     "int4+head": ("float32", "int4"),
@@ -55,10 +56,12 @@ def engines(names: list[str]) -> dict:
         if scheme:
             head = True if name.endswith("+head") else False if name.endswith("-float-head") else None
             quantizing.quantize_model(model.model, scheme, head=head)
-        if name.endswith("-kernel-prefill"):  # every token through the int4 kernel, as it once was
+        if name.endswith("-kernel-prefill"):  # every token through the int4/int8 kernel, as it once was
             for layer in model.model.modules():
                 if isinstance(layer, quantizing.Int4Linear):
                     layer.unpacks = False
+                elif isinstance(layer, quantizing.Int8Linear):
+                    layer.dense_prefill = False
         out[name] = SnapKVLLM(model=model.model, tokenizer=model.tokenizer, prefix_cache_bytes=0)
     return out
 

@@ -60,17 +60,20 @@ def test_a_quantized_layer_is_close_to_its_float_layer_and_rows_do_not_affect_ea
     layer = LAYERS[scheme](linear)
     x = torch.randn(5, 7, 256)
     with torch.inference_mode():
-        exact, got = linear(x), layer(x)
-        alone = torch.cat([layer(x[i : i + 1, j : j + 1]) for i in range(5) for j in range(7)]).view_as(got)
+        exact, got, steps = linear(x), layer(x), layer(x[:, :1])  # prefill chunks; a decode step
+        alone = torch.cat([layer(x[i : i + 1, :1]) for i in range(5)])
     assert got.shape == exact.shape and got.dtype == exact.dtype
     assert ((got - exact).norm() / exact.norm()).item() < tolerance
-    assert torch.equal(alone, got)  # a token's result is the same whatever it is batched with
+    assert ((steps - exact[:, :1]).norm() / exact[:, :1].norm()).item() < tolerance
+    assert torch.equal(alone, steps)  # a row's decode step is the same whatever it is batched with
 
 
-def test_an_int4_prefill_chunk_multiplies_the_kernels_own_weights_and_batches_equal_single_rows():
+def test_an_int4_prefill_chunk_multiplies_the_kernels_own_weights_and_decode_rows_equal_single_rows():
     """A chunk of several tokens a row unpacks the 4-bit codes to float weights for one dense
     matmul (the kernel's time grows with every row); the weights are exactly those the kernel
-    multiplies by, and a row's result does not depend on its batch in either path."""
+    multiplies by, and a decode row's result does not depend on its batch. (A prompt is prefilled
+    on its own, as in the float model, whose dense matmuls need not give a row the same bits in
+    every batch either.)"""
     torch.manual_seed(0)
     layer = quantizing.Int4Linear(nn.Linear(256, 128))
     assert layer.unpacks  # 128 output rows: two of the kernel's blocks of 64
@@ -81,9 +84,27 @@ def test_an_int4_prefill_chunk_multiplies_the_kernels_own_weights_and_batches_eq
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, layer.packed, layer.group, layer.scales_and_zeros)
         kernel = kernel.view_as(got) + layer.bias
         assert ((got - kernel).norm() / kernel.norm()).item() < 1e-5
-        assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(3)]), got)
         steps = layer(x[:, :1])  # a decode step of three rows (a strided view): the kernel
         assert torch.equal(torch.cat([layer(x[i : i + 1, :1]) for i in range(3)]), steps)
+
+
+def test_an_int8_prefill_chunk_multiplies_the_kernels_own_weights_in_the_inputs_dtype():
+    """A chunk of several tokens a row multiplies the dequantized int8 weights in one dense matmul
+    (the kernel is slower than that past a few rows): the int8 values and scales the kernel reads,
+    without its rounding of the activations to bfloat16; a decode step goes through the kernel."""
+    torch.manual_seed(0)
+    layer = quantizing.Int8Linear(nn.Linear(256, 96))
+    x = torch.randn(3, 9, 256)
+    weights = layer.weight.float() * layer.scale.float()[:, None]
+    with torch.inference_mode():
+        got = layer(x)
+        assert torch.allclose(got, x @ weights.t() + layer.bias, rtol=1e-5, atol=1e-5)  # float32 throughout
+        kernel = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, 256).bfloat16(), layer.weight, layer.scale)
+        kernel = kernel.float().view_as(got) + layer.bias
+        assert ((got - kernel).norm() / kernel.norm()).item() < 0.01  # the kernel's, but for bfloat16
+        step = x[:, :1].reshape(-1, 256).bfloat16()
+        expected = torch.ops.aten._weight_int8pack_mm(step, layer.weight, layer.scale).float().view(3, 1, 96)
+        assert torch.equal(layer(x[:, :1]), expected + layer.bias)  # a decode step: the kernel itself
 
 
 def test_int8_quantizes_the_weights_only_so_an_activation_outlier_costs_the_other_channels_nothing():

@@ -6,8 +6,9 @@ weight once a step, so fewer weight bytes are fewer bytes a step reads.
 The kernels are the fastest this project measured per device (``benchmarks/quantized.py``):
 
 * CPU ``int8``: weight-only, one scale per output channel, through torch's int8 weight-only CPU
-  matmul, which reads the int8 weights and takes bfloat16 activations (a float32 model's activations
-  are rounded to bfloat16 for the product only; every other operation keeps its dtype). Rows are
+  matmul for decode steps, which reads the int8 weights and takes bfloat16 activations (a float32
+  model's activations are rounded to bfloat16 for the product only; every other operation keeps its
+  dtype), and a dense matmul of the dequantized weights for prefill chunks (:class:`Int8Linear`). Rows are
   computed independently, so batches equal single calls. An earlier kernel quantized the
   activations too (int8 x int8 integer matmul): about as fast, but it changed far more answers
   (``evals/results/quantized``), the activations of a small model carrying the outliers.
@@ -145,9 +146,16 @@ def _quantize_cuda(model: nn.Module, scheme: str, targets: set[int]) -> None:
 
 
 class Int8Linear(nn.Module):
-    """A weight-only int8 linear layer: int8 weights with a scale per output channel, multiplied by
-    bfloat16 (or float16) activations in torch's int8 weight-only kernel; the result comes back in
-    the input's dtype. A row's output does not depend on the other rows of its batch."""
+    """A weight-only int8 linear layer: int8 weights with a scale per output channel.
+
+    A decode step (one token a row) multiplies them by bfloat16 (or float16) activations in torch's
+    int8 weight-only kernel, the result coming back in the input's dtype. That kernel is slower than
+    a dense matmul once a call has many rows (a prefill of 1,000 tokens took 1.7x float32's time),
+    so a call of several tokens a row (a prefill chunk) multiplies the dequantized weights, in the
+    input's dtype, in one dense matmul: the int8 values and scales the kernel reads, without its
+    rounding of the activations to bfloat16, the cost of dequantizing shared by the chunk's tokens.
+    Decode rows go through the kernel whatever their batch, prefill rows through the dense matmul
+    whatever theirs, so batches equal single calls."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -158,8 +166,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(self.compute_dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.dense_prefill = True  # False: every call through the kernel (what the benchmark compares)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights the kernel multiplies by, ``int8 * scale``, in ``dtype``."""
+        return (self.weight.to(torch.float32) * self.scale.to(torch.float32)[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_prefill and x.dim() > 2 and x.shape[-2] > 1:  # a prefill chunk: one dense matmul
+            return nn.functional.linear(x, self.dequantized(x.dtype), self.bias)
         flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
         out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale).to(x.dtype)
         if self.bias is not None:
