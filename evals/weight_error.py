@@ -7,8 +7,10 @@ each), and the share of greedy answers (``--max-new-tokens``, full cache) identi
 
 Schemes (``SCHEMES``): the weights rounded to bfloat16 (the scale for the others: the rounding
 that the whole bfloat16 engine adds); int8 with one scale per output channel, as ``quantize="int8"``
-stores them, computed in float32 (the rounding of the weights alone) and through the shipped kernel
-(:class:`~snapkv_rag.models.quantize.Int8Linear`, bfloat16 activations); int8 with a scale per
+stores them, computed in float32 (the rounding of the weights alone) and through the shipped layer
+(:class:`~snapkv_rag.models.quantize.Int8Linear`: over a prompt, which is all the KL sees, a dense
+product of its int8 weights and scales stored in bfloat16; for each decode step, the int8 kernel
+with bfloat16 activations); int8 with a scale per
 group of 64 or 32 input channels (finer than any int8 kernel the project has on a CPU); and
 per-channel int8 on one part of the model only (the output head, the attention projections, the
 MLPs), which says where the error comes from.
@@ -72,7 +74,7 @@ SCHEMES: dict[str, tuple[Callable, Callable[[str, bool], bool]]] = {
     # name: (the layer that replaces a linear, which linears: (name, is the output head) -> bool)
     "bfloat16 weights": (lambda m: Rounded(m, m.weight.detach().to(torch.bfloat16).float()), _everything),
     "int8 per channel (float32 product)": (lambda m: Rounded(m, round_int8(m.weight.detach())), _everything),
-    "int8 per channel (shipped kernel)": (Int8Linear, _everything),
+    "int8 per channel (shipped layer)": (Int8Linear, _everything),
     "int8 groups of 64": (lambda m: Rounded(m, round_int8(m.weight.detach(), 64)), _everything),
     "int8 groups of 32": (lambda m: Rounded(m, round_int8(m.weight.detach(), 32)), _everything),
     "int8 per channel: head only": (lambda m: Rounded(m, round_int8(m.weight.detach())), _head),
