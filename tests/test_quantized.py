@@ -62,10 +62,12 @@ def test_a_quantized_layer_is_close_to_its_float_layer_and_rows_do_not_affect_ea
     with torch.inference_mode():
         exact, got, steps = linear(x), layer(x), layer(x[:, :1])  # prefill chunks; a decode step
         alone = torch.cat([layer(x[i : i + 1, :1]) for i in range(5)])
+        chunks = torch.cat([layer(x[i : i + 1]) for i in range(5)])  # each row's prefill chunk alone
     assert got.shape == exact.shape and got.dtype == exact.dtype
     assert ((got - exact).norm() / exact.norm()).item() < tolerance
     assert ((steps - exact[:, :1]).norm() / exact[:, :1].norm()).item() < tolerance
     assert torch.equal(alone, steps)  # a row's decode step is the same whatever it is batched with
+    assert torch.allclose(chunks, got, rtol=1e-5, atol=1e-5)  # a chunk's: to the float matmul's rounding
 
 
 def test_an_int4_prefill_chunk_multiplies_the_kernels_own_weights_and_decode_rows_equal_single_rows():
@@ -84,6 +86,8 @@ def test_an_int4_prefill_chunk_multiplies_the_kernels_own_weights_and_decode_row
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, layer.packed, layer.group, layer.scales_and_zeros)
         kernel = kernel.view_as(got) + layer.bias
         assert ((got - kernel).norm() / kernel.norm()).item() < 1e-5
+        chunks = torch.cat([layer(x[i : i + 1]) for i in range(3)])  # to the dense matmul's rounding
+        assert torch.allclose(chunks, got, rtol=1e-5, atol=1e-5)
         steps = layer(x[:, :1])  # a decode step of three rows (a strided view): the kernel
         assert torch.equal(torch.cat([layer(x[i : i + 1, :1]) for i in range(3)]), steps)
 
